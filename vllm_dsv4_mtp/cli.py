@@ -1,0 +1,36 @@
+"""The ``dsv4-mtp`` console script.
+
+Each sub-command lives in its own module exposing ``add_parser(subparsers)`` (which must not import torch or
+vllm, so that ``--help`` is instant) and sets ``func`` on its parser to the function that runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command name -> module that implements it
+COMMANDS: dict[str, str] = {
+    "inspect": "vllm_dsv4_mtp.tools.inspect_cmd",
+    "quantize": "quant.cli",
+    "build-tiny": "vllm_dsv4_mtp.tools.tiny_cmd",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4-mtp", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rc = args.func(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,440 @@
+"""Read and write DeepSeek-V4 checkpoints: ``config.json`` + single-file or sharded safetensors.
+
+:class:`CheckpointReader` lists every tensor (name, dtype, shape, shard, byte range) from the safetensors
+headers alone, without touching the data; loads one tensor (:meth:`~CheckpointReader.get`), one shard at a time
+(:meth:`~CheckpointReader.iter_shards`) or the raw bytes of a tensor for byte-for-byte copies
+(:meth:`~CheckpointReader.raw_bytes`). A malformed checkpoint is an error naming the file: a shard the index
+lists but that is missing, an index entry whose shard does not hold the tensor, a tensor stored twice, a
+truncated header.
+
+:class:`CheckpointWriter` writes shards of at most ``max_shard_bytes`` (one tensor larger than that gets a
+shard of its own), ``model.safetensors.index.json``, ``config.json`` and copies tokenizer files.
+
+dtypes are the safetensors names ("BF16", "F8_E4M3", "F8_E8M0", "U8", ...). E8M0 scales load as
+``torch.float8_e8m0fnu``; view them as ``torch.uint8`` for their raw bytes, never cast them numerically.
+FP8 block decoding lives in :mod:`vllm_dsv4_mtp.formats.fp8`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+if TYPE_CHECKING:  # torch is imported lazily so that header-only tools stay light
+    import torch
+
+__all__ = [
+    "CheckpointError",
+    "TensorInfo",
+    "CheckpointReader",
+    "CheckpointWriter",
+    "INDEX_FILE",
+    "DTYPE_BYTES",
+    "read_safetensors_header",
+    "TOKENIZER_FILES",
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Files that travel with a checkpoint besides the weights (copied by CheckpointWriter.copy_tokenizer_files).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+# Bytes per element for each safetensors dtype ("F4" packs two elements per byte: its shape counts elements).
+DTYPE_BYTES: dict[str, float] = {
+    "F64": 8, "I64": 8, "U64": 8, "C64": 8,
+    "F32": 4, "I32": 4, "U32": 4,
+    "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1,
+    "I8": 1, "U8": 1, "BOOL": 1,
+    "F4": 0.5,
+}
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit
+
+
+class CheckpointError(ValueError):
+    """A malformed checkpoint directory; the message names the file (and the tensor)."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: its shard and absolute byte range there, plus dtype and shape."""
+
+    name: str
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+    file: Path
+    begin: int  # absolute byte offset of the data in ``file``
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_safetensors_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse a safetensors header: ``({name: TensorInfo}, __metadata__)``, in data order. Reads only the header."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CheckpointError(f"{path}: corrupt safetensors header (header length {n}, file size {size})")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    meta = header.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    out: dict[str, TensorInfo] = {}
+    for name, h in header.items():
+        try:
+            dtype, shape, (b, e) = h["dtype"], tuple(int(s) for s in h["shape"]), h["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt header entry for tensor '{name}': {h!r}") from None
+        if dtype not in DTYPE_BYTES:
+            raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}")
+        want = math.ceil(math.prod(shape) * DTYPE_BYTES[dtype])
+        if e - b != want or b < 0 or data_start + e > size:
+            raise CheckpointError(
+                f"{path}: tensor '{name}' ({dtype} {list(shape)}) has data_offsets [{b}, {e}] that do not fit "
+                f"its size ({want} bytes) or the file ({size - data_start} data bytes)")
+        out[name] = TensorInfo(name, dtype, shape, path, data_start + b, data_start + e)
+    return dict(sorted(out.items(), key=lambda kv: kv[1].begin)), meta
+
+
+class CheckpointReader:
+    """A DeepSeek-V4 checkpoint directory, opened header-only.
+
+    ``reader.tensors`` maps every tensor name to its :class:`TensorInfo`, in shard order; ``reader.config`` is
+    the raw ``config.json`` dict (``None`` when absent); ``reader.spec`` the validated
+    :class:`~vllm_dsv4_mtp.config.DeepseekV4Spec`.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a directory")
+        self.index_file: Path | None = None
+        self.shards: list[Path] = []
+        self.tensors: dict[str, TensorInfo] = {}
+        self.metadata: dict[Path, dict[str, str]] = {}
+        self._load()
+
+    # ------------------------------------------------------------------ opening
+    def _load(self) -> None:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            self.index_file = index
+            self._load_indexed(index)
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.path}: no {INDEX_FILE} and no *.safetensors file")
+            for f in files:
+                self._add_shard(f)
+
+    def _add_shard(self, f: Path) -> dict[str, TensorInfo]:
+        infos, meta = read_safetensors_header(f)
+        for name, info in infos.items():
+            if name in self.tensors:
+                raise CheckpointError(
+                    f"{self.path}: tensor '{name}' is stored twice: in {self.tensors[name].file.name} and {f.name}")
+        self.shards.append(f)
+        self.metadata[f] = meta
+        self.tensors.update(infos)
+        return infos
+
+    def _load_indexed(self, index: Path) -> None:
+        try:
+            data = json.loads(index.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{index}: not valid JSON: {e}") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+        by_shard: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str):
+                raise CheckpointError(f"{index}: weight_map entry for tensor '{name}' is not a file name: {shard!r}")
+            by_shard.setdefault(shard, []).append(name)
+        for shard, names in by_shard.items():
+            f = self.path / shard
+            if not f.is_file():
+                raise CheckpointError(f"{index}: shard '{shard}' (listed for {len(names)} tensors, e.g. "
+                                      f"'{names[0]}') does not exist")
+            infos = self._add_shard(f)
+            for name in names:
+                if name not in infos:
+                    raise CheckpointError(f"{index}: tensor '{name}' is mapped to '{shard}', which does not "
+                                          f"contain it")
+            extra = [n for n in infos if weight_map.get(n) != shard]
+            if extra:
+                raise CheckpointError(f"{f}: tensor '{extra[0]}' is stored in this shard but {INDEX_FILE} "
+                                      f"does not list it here ({len(extra)} such tensors)")
+        others = sorted(p.name for p in self.path.glob("*.safetensors") if p.name not in by_shard)
+        if others:
+            raise CheckpointError(f"{index}: {others[0]} is in the directory but not listed in the index")
+
+    # ------------------------------------------------------------------ config
+    @property
+    def config(self) -> dict[str, Any] | None:
+        f = self.path / "config.json"
+        if not f.is_file():
+            return None
+        try:
+            return json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{f}: not valid JSON: {e}") from None
+
+    @property
+    def spec(self):
+        from vllm_dsv4_mtp.config import DeepseekV4Spec
+
+        return DeepseekV4Spec.from_dir(self.path)
+
+    def tokenizer_files(self) -> list[Path]:
+        return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
+
+    # ------------------------------------------------------------------ listing
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"tensor '{name}' is not in checkpoint {self.path}") from None
+
+    def shard_names(self, shard: str | Path) -> list[str]:
+        f = self.path / Path(shard).name
+        return [n for n, i in self.tensors.items() if i.file == f]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.nbytes for i in self.tensors.values())
+
+    # ------------------------------------------------------------------ data
+    def get(self, name: str) -> "torch.Tensor":
+        """Load one tensor (its stored dtype; E8M0 as ``torch.float8_e8m0fnu``)."""
+        from safetensors import safe_open
+
+        info = self.info(name)
+        with safe_open(str(info.file), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def raw_bytes(self, name: str) -> bytes:
+        """The stored bytes of one tensor, exactly (for byte-for-byte copies)."""
+        info = self.info(name)
+        with open(info.file, "rb") as f:
+            f.seek(info.begin)
+            data = f.read(info.nbytes)
+        if len(data) != info.nbytes:
+            raise CheckpointError(f"{info.file}: truncated data for tensor '{name}'")
+        return data
+
+    def iter_shards(self) -> Iterator[tuple[Path, dict[str, "torch.Tensor"]]]:
+        """Yield ``(shard_path, {name: tensor})`` one shard at a time: memory stays bounded by one shard."""
+        for shard in self.shards:
+            yield shard, self.load_shard(shard)
+
+    def load_shard(self, shard: str | Path) -> dict[str, "torch.Tensor"]:
+        from safetensors import safe_open
+
+        f = self.path / Path(shard).name
+        with safe_open(str(f), framework="pt") as h:
+            return {n: h.get_tensor(n) for n in self.shard_names(f)}
+
+    def iter_tensors(self) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """Yield ``(name, tensor)`` in storage order, one tensor in memory at a time."""
+        from safetensors import safe_open
+
+        for shard in self.shards:
+            with safe_open(str(shard), framework="pt") as h:
+                for n in self.shard_names(shard):
+                    yield n, h.get_tensor(n)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Writing
+# ------------------------------------------------------------------------------------------------------
+_TORCH_DTYPE_NAMES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0", "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ", "uint16": "U16", "uint32": "U32", "uint64": "U64",
+    "float4_e2m1fn_x2": "F4",
+}
+
+
+def torch_dtype_name(dtype: "torch.dtype") -> str:
+    """The safetensors dtype name of a torch dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _TORCH_DTYPE_NAMES:
+        raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors")
+    return _TORCH_DTYPE_NAMES[name]
+
+
+def _torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    inv = {v: k for k, v in _TORCH_DTYPE_NAMES.items()}
+    return getattr(torch, inv[name])
+
+
+class CheckpointWriter:
+    """Write a checkpoint: shards of at most ``max_shard_bytes`` plus ``model.safetensors.index.json``.
+
+    Tensors are buffered and flushed a shard at a time (memory bounded by one shard). ``close()`` (or leaving
+    the ``with`` block without an exception) names the shards ``model-0000i-of-0000N.safetensors`` and writes
+    the index; a single shard is written as ``model.safetensors`` with no index unless ``always_index``.
+    """
+
+    def __init__(self, path: str | Path, max_shard_bytes: int = 5 * 2**30, *, always_index: bool = False,
+                 overwrite: bool = False):
+        self.path = Path(path)
+        if max_shard_bytes <= 0:
+            raise ValueError("max_shard_bytes must be > 0")
+        if self.path.exists() and any(self.path.glob("*.safetensors")) and not overwrite:
+            raise CheckpointError(f"{self.path}: already holds safetensors files (pass overwrite=True)")
+        self.path.mkdir(parents=True, exist_ok=True)
+        if overwrite:
+            for f in list(self.path.glob("*.safetensors")) + [self.path / INDEX_FILE]:
+                f.unlink(missing_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self.always_index = always_index
+        self._buf: dict[str, "torch.Tensor"] = {}
+        self._buf_bytes = 0
+        self._tmp_shards: list[tuple[Path, list[str]]] = []
+        self._names: set[str] = set()
+        self._total = 0
+        self._closed = False
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # never leave a half-written checkpoint that looks complete
+            for f, _ in self._tmp_shards:
+                f.unlink(missing_ok=True)
+
+    def add(self, name: str, tensor: "torch.Tensor") -> None:
+        """Queue one tensor (stored in its own dtype, contiguous)."""
+        if self._closed:
+            raise CheckpointError(f"{self.path}: writer is closed")
+        if name in self._names:
+            raise CheckpointError(f"{self.path}: tensor '{name}' written twice")
+        torch_dtype_name(tensor.dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._buf and self._buf_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._names.add(name)
+        self._buf[name] = tensor.detach().contiguous().cpu()
+        self._buf_bytes += nbytes
+        self._total += nbytes
+
+    def add_raw(self, name: str, dtype: str, shape: tuple[int, ...] | list[int], data: bytes) -> None:
+        """Queue a tensor given as raw stored bytes (``CheckpointReader.raw_bytes``): copied byte for byte."""
+        import torch
+
+        if dtype == "F4":  # shape counts fp4 elements; torch's float4_e2m1fn_x2 counts bytes
+            t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+            t = t.reshape(*shape[:-1], shape[-1] // 2)
+        else:
+            t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(_torch_dtype(dtype)).reshape(tuple(shape))
+        self.add(name, t)
+
+    def copy_from(self, reader: CheckpointReader, name: str, new_name: str | None = None) -> None:
+        """Copy one tensor from another checkpoint byte for byte."""
+        info = reader.info(name)
+        self.add_raw(new_name or name, info.dtype, info.shape, reader.raw_bytes(name))
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._buf:
+            return
+        f = self.path / f".shard-{len(self._tmp_shards):05d}.safetensors.tmp"
+        save_file(self._buf, str(f), metadata={"format": "pt"})
+        self._tmp_shards.append((f, list(self._buf)))
+        self._buf = {}
+        self._buf_bytes = 0
+
+    def write_config(self, config: Mapping[str, Any]) -> Path:
+        f = self.path / "config.json"
+        f.write_text(json.dumps(config, indent=2) + "\n")
+        return f
+
+    def copy_tokenizer_files(self, src: str | Path) -> list[Path]:
+        """Copy the tokenizer / generation-config files present in ``src`` (see TOKENIZER_FILES)."""
+        out = []
+        for n in TOKENIZER_FILES:
+            s = Path(src) / n
+            if s.is_file():
+                shutil.copyfile(s, self.path / n)
+                out.append(self.path / n)
+        return out
+
+    def close(self) -> list[Path]:
+        """Flush, name the shards, write the index; returns the shard paths."""
+        if self._closed:
+            return [self.path / n for n in self._final_names]
+        self._flush()
+        n = len(self._tmp_shards)
+        if n == 0:
+            raise CheckpointError(f"{self.path}: no tensors written")
+        if n == 1 and not self.always_index:
+            names = [SINGLE_FILE]
+        else:
+            names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map: dict[str, str] = {}
+        for (tmp, tensor_names), final in zip(self._tmp_shards, names):
+            os.replace(tmp, self.path / final)
+            for t in tensor_names:
+                weight_map[t] = final
+        if len(names) > 1 or self.always_index:
+            index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
+            (self.path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        self._final_names = names
+        self._closed = True
+        return [self.path / n for n in names]

@@ -428,8 +428,11 @@ class CheckpointWriter:
         else:
             names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map: dict[str, str] = {}
+        umask = os.umask(0)
+        os.umask(umask)
         for (tmp, tensor_names), final in zip(self._tmp_shards, names):
             os.replace(tmp, self.path / final)
+            os.chmod(self.path / final, 0o666 & ~umask)  # safetensors creates files 0600
             for t in tensor_names:
                 weight_map[t] = final
         if len(names) > 1 or self.always_index:

@@ -9,6 +9,9 @@ from the directory.
 from __future__ import annotations
 
 import copy
+import json
+import math
+from pathlib import Path
 from typing import Any
 
 # The default tiny model. Widths are small for CPU speed; the STRUCTURE is the real one: 4 residual streams
@@ -93,9 +96,6 @@ def hf_config(path):
     instead (:meth:`DeepseekV4Spec.hf_layer_schedule`), so test configs such as ``[0, 4, 8, 0]`` load in the
     oracle too.
     """
-    import json
-    from pathlib import Path
-
     from transformers import DeepseekV4Config
 
     from vllm_dsv4_mtp.config import DeepseekV4Spec
@@ -106,3 +106,193 @@ def hf_config(path):
     d = {k: v for k, v in raw.items() if k not in ("compress_ratios", "quantization_config")}
     d.update(spec.hf_layer_schedule())
     return DeepseekV4Config(**d)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Random weights
+# ---------------------------------------------------------------------------------------------------------
+def _init_tensor(slot, spec, g):
+    """Random values for one logical tensor, scaled so activations stay O(1) through the tiny model.
+
+    Linear weights: N(0, 1/in) (unit-variance outputs for unit-variance inputs); output projections into the
+    residual streams (wo_b, w2, e/h_proj) half that, so 4 blocks of hc_post do not blow up; RMSNorm weights
+    around 1; hyper-connection logits O(1) so pre/post/comb really mix the 4 streams; the head at 2/sqrt(D) so
+    logits after the final norm have std ~2 (peaked, not tied). F32 where the release stores F32.
+    """
+    import torch
+
+    name, shape = slot.name, slot.shape
+
+    def normal(std):
+        return torch.randn(shape, generator=g, dtype=torch.float32) * std
+
+    leaf = name.rsplit(".", 2)
+    if name.endswith("tid2eid"):
+        # each token gets num_experts_per_tok distinct experts (a random permutation's first k)
+        perm = torch.rand((shape[0], spec.n_routed_experts), generator=g).argsort(dim=-1)
+        return perm[:, : shape[1]].to(torch.int64)
+    if "hc_" in name and name.endswith("_fn"):
+        return normal(1.0 / math.sqrt(shape[1]))
+    if "hc_" in name and name.endswith("_base"):
+        return normal(0.5)
+    if "hc_" in name and name.endswith("_scale"):
+        return 0.25 + 0.5 * torch.rand(shape, generator=g)
+    if name.endswith("attn_sink"):
+        return normal(1.0)
+    if name.endswith(".ape"):
+        return normal(0.5)
+    if name.endswith("gate.bias"):
+        return normal(0.1)
+    if len(shape) == 1:  # RMSNorm weights
+        return (1.0 + normal(0.1)).to(torch.bfloat16)
+    if name == "embed.weight":
+        return normal(1.0).to(torch.bfloat16)
+    if name == "head.weight":
+        return normal(2.0 / math.sqrt(shape[1])).to(torch.bfloat16)
+    residual_out = leaf[-2] in ("wo_b", "w2", "e_proj", "h_proj")
+    std = (0.5 if residual_out else 1.0) / math.sqrt(shape[1])
+    return normal(std).to(torch.bfloat16)
+
+
+def _quark_exclude(spec, slots, expert_precision: str, shared_precision: str) -> list[str]:
+    """Native module names Quark leaves unquantized: every linear that is not stored MXFP4 (MTP included)."""
+    out = []
+    for s in slots.values():
+        if not s.name.endswith(".weight") or len(s.shape) != 2:
+            continue
+        if s.is_mtp:
+            out.append(s.module)
+        elif s.kind == "routed_experts" and expert_precision == "mxfp4":
+            continue
+        elif s.kind == "shared_experts" and shared_precision == "mxfp4":
+            continue
+        else:
+            out.append(s.module)
+    return out
+
+
+def _layer_storage(slot, experts: str, linears: str, shared_experts: str) -> str:
+    """Storage precision of one linear weight in the tiny checkpoint (MTP: BF16 unless official FP8)."""
+    if not slot.quantizable:
+        return "bf16"
+    official = experts == "fp4-official" or (experts == "bf16" and linears == "fp8")
+    if slot.is_mtp and not official:
+        return "bf16"  # the project's policy: MTP kept BF16 (Quark `exclude`)
+    if slot.kind == "routed_experts":
+        return experts
+    if slot.kind == "shared_experts":
+        if shared_experts == "mxfp4":
+            return "bf16" if slot.is_mtp else "mxfp4"
+        return "fp8-block" if shared_experts == "fp8" else "bf16"
+    return "fp8-block" if linears == "fp8" else "bf16"
+
+
+def build_tiny_checkpoint(
+    out_dir,
+    config: dict[str, Any] | None = None,
+    *,
+    seed: int = 0,
+    experts: str = "bf16",
+    mtp: bool = True,
+    linears: str = "bf16",
+    shared_experts: str | None = None,
+    max_shard_bytes: int = 2 * 2**30,
+    tokenizer: bool = True,
+):
+    """Write a random tiny DeepSeek-V4 checkpoint in the native release naming; returns ``Path(out_dir)``.
+
+    experts: "bf16" | "mxfp4" (Quark: packed uint8 ``.weight`` + uint8 E8M0 ``.weight_scale``, quantized from
+        the same BF16 weights a "bf16" build with the same seed has, plus a Quark ``quantization_config`` whose
+        ``exclude`` lists every other linear, MTP included) | "fp4-official" (the official release's int8
+        packed ``.weight`` + F8_E8M0 ``.scale``).
+    linears: "bf16" | "fp8": attention projections, ``indexer.wq_b`` and shared experts in FP8 e4m3 with
+        128x128 E8M0 block scales (official layout ``.scale`` and ``quant_method: fp8`` config; MTP included,
+        as in the release) - only with experts "bf16" or "fp4-official".
+    shared_experts: "bf16" | "fp8" | "mxfp4" (default: follow ``linears``); "mxfp4" needs experts "mxfp4"
+        (the AMD export's FSE layout: main-layer shared experts MXFP4, MTP's BF16).
+    mtp: include the ``mtp.*`` tensors (``num_nextn_predict_layers`` in config.json is kept either way, like a
+        release whose MTP weights were stripped).
+
+    The random values depend only on ``config`` and ``seed``: every precision variant stores the same
+    underlying BF16 weights.
+    """
+    import torch
+
+    from vllm_dsv4_mtp.config import DeepseekV4Spec, weight_slots
+    from vllm_dsv4_mtp.formats.checkpoint import CheckpointWriter
+
+    if experts not in ("bf16", "mxfp4", "fp4-official"):
+        raise ValueError(f"experts must be 'bf16', 'mxfp4' or 'fp4-official', got {experts!r}")
+    if linears not in ("bf16", "fp8"):
+        raise ValueError(f"linears must be 'bf16' or 'fp8', got {linears!r}")
+    if linears == "fp8" and experts == "mxfp4":
+        raise ValueError("linears='fp8' with experts='mxfp4' (a Quark config with FP8 layer entries) is not "
+                         "built by the tiny builder; use linears='bf16' with Quark MXFP4 experts")
+    shared = shared_experts or linears
+    if shared not in ("bf16", "fp8", "mxfp4") or (shared == "mxfp4" and experts != "mxfp4"):
+        raise ValueError(f"shared_experts must be 'bf16', 'fp8', or 'mxfp4' with experts='mxfp4', got {shared!r}")
+
+    cfg = dict(config) if config is not None else tiny_config()
+    spec = DeepseekV4Spec.from_dict(cfg, source="build_tiny_checkpoint(config)")
+    slots = weight_slots(spec, mtp=True)
+    out = Path(out_dir)
+    g = torch.Generator().manual_seed(seed)
+
+    storages = {name: _layer_storage(s, experts, linears, shared) for name, s in slots.items()}
+    cfg.pop("quantization_config", None)
+    if experts == "mxfp4":
+        from vllm_dsv4_mtp.formats.quark_config import mxfp4_experts_config
+
+        cfg["quantization_config"] = mxfp4_experts_config(exclude=_quark_exclude(spec, slots, experts, shared))
+    elif "fp8-block" in storages.values():
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                      "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    if experts == "fp4-official":
+        cfg["expert_dtype"] = "fp4"
+    elif experts == "bf16":
+        cfg.pop("expert_dtype", None)
+    DeepseekV4Spec.from_dict(cfg, source="build_tiny_checkpoint(config)")
+
+    with CheckpointWriter(out, max_shard_bytes=max_shard_bytes, overwrite=True) as w:
+        for name, slot in slots.items():
+            value = _init_tensor(slot, spec, g)  # drawn for every slot so variants share their weights
+            if slot.is_mtp and not mtp:
+                continue
+            for n, t in _store(slot, value, storages[name]).items():
+                w.add(n, t)
+        w.write_config(cfg)
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": spec.bos_token_id, "eos_token_id": spec.eos_token_id}, indent=2) + "\n")
+    if tokenizer:
+        from vllm_dsv4_mtp.tools.tiny_tokenizer import save_tokenizer
+
+        save_tokenizer(out, spec.vocab_size, model_max_length=spec.max_position_embeddings)
+    return out
+
+
+def _store(slot, value, precision: str) -> dict[str, Any]:
+    """The stored tensors of one slot in a storage precision (see config.quantized_expectations)."""
+    import torch
+
+    from vllm_dsv4_mtp.config import scale_name
+
+    if precision == "bf16":
+        return {slot.name: value}
+    w = value.float()
+    if precision in ("mxfp4", "fp4-official"):
+        from vllm_dsv4_mtp.formats import mxfp4
+
+        packed, scales = mxfp4.quantize(w)
+        if precision == "mxfp4":  # Quark: uint8 codes + uint8 E8M0 .weight_scale
+            return {slot.name: packed, scale_name(slot.name, "mxfp4"): scales}
+        # official release: int8 packed + F8_E8M0 .scale (same bytes)
+        return {slot.name: packed.view(torch.int8),
+                scale_name(slot.name, "fp4-official"): scales.view(torch.float8_e8m0fnu)}
+    if precision == "fp8-block":
+        from vllm_dsv4_mtp.formats.fp8 import quantize_block_fp8
+
+        q, s = quantize_block_fp8(w, scale_format="e8m0")
+        if s.dtype == torch.uint8:
+            s = s.view(torch.float8_e8m0fnu)
+        return {slot.name: q, scale_name(slot.name, "fp8-block"): s}
+    raise ValueError(f"unknown storage precision {precision!r}")

@@ -244,7 +244,7 @@ def build_tiny_checkpoint(
         from vllm_dsv4_mtp.formats.quark_config import mxfp4_experts_config
 
         cfg["quantization_config"] = mxfp4_experts_config(exclude=_quark_exclude(spec, slots, experts, shared))
-    elif "fp8-block" in storages.values():
+    elif experts == "fp4-official" or "fp8-block" in storages.values():  # the official release's config
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                       "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
     if experts == "fp4-official":

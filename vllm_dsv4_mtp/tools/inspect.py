@@ -1,0 +1,495 @@
+"""Check a DeepSeek-V4 checkpoint against its ``config.json``: what is stored, in which precision, and
+every problem.
+
+:func:`inspect_checkpoint` reads only the safetensors headers (no tensor data) and returns an
+:class:`InspectReport`: per module kind the storage precisions found (bf16 / fp8-block / mxfp4 /
+fp4-official, plus f32 / int for the tensors that are never quantized), tensor and parameter counts, whether
+the MTP layer is present and in which precision, and a list of :class:`Problem` (each names the tensor):
+
+- a tensor missing, mis-shaped or in the wrong dtype against config.json;
+- a scale missing, mis-shaped or in the wrong dtype for a quantized weight;
+- an MTP layer absent, or stored quantized (the draft must be BF16);
+- a ``quantization_config`` that does not describe what is stored: quantized tensors it excludes or does not
+  cover, BF16 linears it would quantize, quantized tensors with no config at all;
+- tensors that are not part of the layout (e.g. a compressor on a sliding-window layer).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_dsv4_mtp.config import (
+    FP4_OFFICIAL_SCALE,
+    FP8_SCALE,
+    MXFP4_SCALE,
+    ConfigError,
+    DeepseekV4Spec,
+    WeightSlot,
+    fp8_block_scale_shape,
+    mx_scale_shape,
+    packed_fp4_shape,
+    weight_slots,
+)
+from vllm_dsv4_mtp.formats.checkpoint import CheckpointError, CheckpointReader
+
+__all__ = ["Problem", "KindSummary", "InspectReport", "inspect_checkpoint", "KIND_LABELS"]
+
+KIND_LABELS = {
+    "attention": "attention linears",
+    "compressor": "compressor",
+    "indexer": "indexer",
+    "router": "router",
+    "routed_experts": "routed experts",
+    "shared_experts": "shared experts",
+    "norm_hc": "norms / hc / sinks",
+    "embed_head": "embed / head",
+    "mtp_proj": "MTP e_proj / h_proj",
+}
+
+# stored dtype of a linear weight -> storage precision
+_WEIGHT_PRECISION = {"BF16": "bf16", "F8_E4M3": "fp8-block", "U8": "mxfp4", "I8": "fp4-official"}
+# storage precision of tensors that are never quantized
+_PLAIN_PRECISION = {"BF16": "bf16", "F32": "f32", "I64": "int", "I32": "int"}
+_QUANTIZED = ("fp8-block", "mxfp4", "fp4-official")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding. ``message`` starts with the tensor (or file / layer) it is about."""
+
+    severity: str  # "error" | "warning"
+    code: str  # missing | shape | dtype | precision | scale-missing | scale-shape | scale-dtype | mtp-absent |
+    #            mtp-quantized | quant-config | unexpected | config | checkpoint | no-mtp
+    tensor: str | None
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"severity": self.severity, "code": self.code, "tensor": self.tensor, "message": self.message}
+
+
+@dataclass
+class KindSummary:
+    """Totals for one module kind (main model) or for the MTP layer(s)."""
+
+    precisions: Counter = field(default_factory=Counter)  # precision -> number of logical tensors
+    tensors: int = 0  # stored tensors (scales included)
+    parameters: int = 0  # logical (unquantized) parameters of the tensors present
+    nbytes: int = 0
+
+    def add(self, precision: str, params: int, stored: int, nbytes: int) -> None:
+        self.precisions[precision] += 1
+        self.parameters += params
+        self.tensors += stored
+        self.nbytes += nbytes
+
+    @property
+    def precision(self) -> str:
+        return ", ".join(p for p, _ in sorted(self.precisions.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"precision": self.precision, "precisions": dict(self.precisions), "tensors": self.tensors,
+                "parameters": self.parameters, "bytes": self.nbytes}
+
+
+@dataclass
+class InspectReport:
+    path: str
+    config: dict[str, Any] = field(default_factory=dict)
+    quantization: str = "none"
+    kinds: dict[str, KindSummary] = field(default_factory=dict)  # main model (layers.* + model-level)
+    mtp_kinds: dict[str, KindSummary] = field(default_factory=dict)  # mtp.* by module kind
+    mtp_layers_declared: int = 0
+    mtp_layers_present: list[str] = field(default_factory=list)
+    n_tensors: int = 0
+    n_shards: int = 0
+    nbytes: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "warning"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def mtp(self) -> KindSummary:
+        total = KindSummary()
+        for k in self.mtp_kinds.values():
+            total.precisions.update(k.precisions)
+            total.tensors += k.tensors
+            total.parameters += k.parameters
+            total.nbytes += k.nbytes
+        return total
+
+    @property
+    def mtp_precision(self) -> str:
+        """Precision of the MTP layer's linear weights ("bf16", "mixed: ...", or "absent")."""
+        if not self.mtp_layers_present:
+            return "absent"
+        lin = Counter()
+        for kind, s in self.mtp_kinds.items():
+            for p, n in s.precisions.items():
+                if p not in ("f32", "int"):
+                    lin[p] += n
+        if len(lin) == 1:
+            return next(iter(lin))
+        return "mixed: " + ", ".join(sorted(lin))
+
+    @property
+    def parameters(self) -> int:
+        return sum(k.parameters for k in self.kinds.values()) + self.mtp.parameters
+
+    def messages(self) -> list[str]:
+        return [p.message for p in self.problems]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "config": self.config,
+            "quantization": self.quantization,
+            "tensors": self.n_tensors,
+            "shards": self.n_shards,
+            "bytes": self.nbytes,
+            "parameters": self.parameters,
+            "kinds": {k: v.to_dict() for k, v in self.kinds.items()},
+            "mtp": {
+                **self.mtp.to_dict(),
+                "precision": self.mtp_precision,  # of its linear weights ("absent" when not stored)
+                "declared_layers": self.mtp_layers_declared,
+                "present_layers": self.mtp_layers_present,
+                "kinds": {k: v.to_dict() for k, v in self.mtp_kinds.items()},
+            },
+            "errors": len(self.errors),
+            "warnings": len(self.warnings),
+            "problems": [p.to_dict() for p in self.problems],
+        }
+
+    def format_table(self, max_per_code: int = 25) -> str:
+        lines = [f"DeepSeek-V4 checkpoint {self.path}"]
+        c = self.config
+        if c:
+            lines.append(f"  config: {c['num_hidden_layers']} layers ({c['schedule']}), hidden {c['hidden_size']}, "
+                         f"{c['n_routed_experts']} routed experts top-{c['num_experts_per_tok']}, "
+                         f"vocab {c['vocab_size']}, MTP layers {c['num_nextn_predict_layers']}")
+        lines.append(f"  quantization_config: {self.quantization}")
+        lines.append(f"  stored: {self.n_tensors} tensors in {self.n_shards} shard(s), "
+                     f"{self.nbytes / 2**20:.1f} MiB; {self.parameters:,} parameters")
+        if self.kinds or self.mtp_kinds:
+            lines.append("")
+            lines.append(f"  {'module kind':<22} {'precision':<28} {'tensors':>8} {'parameters':>15}")
+            for kind, label in KIND_LABELS.items():
+                if kind in self.kinds:
+                    s = self.kinds[kind]
+                    lines.append(f"  {label:<22} {s.precision:<28} {s.tensors:>8} {s.parameters:>15,}")
+            if self.mtp_layers_present:
+                s = self.mtp
+                name = "MTP (" + ", ".join(self.mtp_layers_present) + ")"
+                lines.append(f"  {name:<22} {s.precision:<28} {s.tensors:>8} {s.parameters:>15,}")
+        lines.append("")
+        if self.mtp_layers_declared == 0:
+            lines.append("  MTP: none declared")
+        else:
+            lines.append(f"  MTP: {self.mtp_precision}"
+                         + (f" ({', '.join(self.mtp_layers_present)})" if self.mtp_layers_present else ""))
+        lines.append(f"  problems: {len(self.errors)} error(s), {len(self.warnings)} warning(s)")
+        shown: Counter = Counter()
+        hidden: Counter = Counter()
+        for p in self.problems:
+            if shown[p.code] >= max_per_code:
+                hidden[p.code] += 1
+                continue
+            shown[p.code] += 1
+            lines.append(f"  {p.severity.upper()}: {p.message}")
+        for code, n in hidden.items():
+            lines.append(f"  ... and {n} more '{code}' problem(s) (--json lists all)")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+class _Inspector:
+    def __init__(self, reader: CheckpointReader, spec: DeepseekV4Spec, report: InspectReport,
+                 allow_quantized_mtp: bool):
+        self.r = reader
+        self.spec = spec
+        self.report = report
+        self.allow_quantized_mtp = allow_quantized_mtp
+        self.claimed: set[str] = set()
+        self.stored_precision: dict[str, str] = {}  # slot name -> precision
+
+    def problem(self, code: str, tensor: str | None, message: str, severity: str = "error") -> None:
+        self.report.problems.append(Problem(severity, code, tensor, message))
+
+    # ------------------------------------------------------------------ per tensor
+    def check_plain(self, slot: WeightSlot) -> None:
+        info = self.r.info(slot.name)
+        if info.dtype not in slot.dtypes:
+            self.problem("dtype", slot.name, f"{slot.name}: dtype {info.dtype}, expected {' or '.join(slot.dtypes)}")
+        if info.shape != slot.shape:
+            self.problem("shape", slot.name, f"{slot.name}: shape {_fmt(info.shape)}, expected {_fmt(slot.shape)}")
+        self.record(slot, _PLAIN_PRECISION.get(info.dtype, info.dtype.lower()), [info.name])
+
+    def check_linear(self, slot: WeightSlot) -> None:
+        info = self.r.info(slot.name)
+        precision = _WEIGHT_PRECISION.get(info.dtype)
+        if precision is None:
+            allowed = ", ".join(["BF16"] + [d for d, p in _WEIGHT_PRECISION.items() if p in slot.quantizable])
+            self.problem("dtype", slot.name, f"{slot.name}: dtype {info.dtype}, expected one of {allowed}")
+            self.record(slot, info.dtype.lower(), [slot.name])
+            return
+        if precision != "bf16" and precision not in slot.quantizable:
+            self.problem("precision", slot.name,
+                         f"{slot.name}: stored {precision}, which is not supported for "
+                         f"{KIND_LABELS[slot.kind]} (expected bf16"
+                         + "".join(f" or {p}" for p in slot.quantizable) + ")")
+        self.stored_precision[slot.name] = precision
+        stored = [slot.name]
+        if precision in ("bf16", "fp8-block"):
+            want = slot.shape
+        else:
+            want = packed_fp4_shape(slot.shape)
+        if info.shape != want:
+            what = "" if want == slot.shape else f" (packed [out, in/2] of {_fmt(slot.shape)})"
+            self.problem("shape", slot.name,
+                         f"{slot.name}: shape {_fmt(info.shape)}, expected {_fmt(want)}{what} for {precision}")
+        if precision != "bf16":
+            s = self.check_scale(slot, precision)
+            if s:
+                stored.append(s)
+        self.record(slot, precision, stored)
+
+    def check_scale(self, slot: WeightSlot, precision: str) -> str | None:
+        module = slot.module
+        candidates = [module + ".weight_scale", module + ".scale"]
+        if precision == "fp4-official":
+            candidates.reverse()
+        present = [c for c in candidates if c in self.r]
+        if not present:
+            self.problem("scale-missing", candidates[0],
+                         f"{candidates[0]}: missing: {slot.name} is stored {precision} and needs its scale "
+                         f"(neither {candidates[0]} nor {candidates[1]} is stored)")
+            return None
+        name = present[0]
+        if len(present) > 1:
+            self.problem("unexpected", present[1],
+                         f"{present[1]}: second scale for {slot.name} (already has {name})")
+            self.claimed.add(present[1])
+        info = self.r.info(name)
+        if precision == "fp8-block":
+            shape, dtypes = fp8_block_scale_shape(slot.shape), FP8_SCALE
+        else:
+            shape = mx_scale_shape(slot.shape)
+            dtypes = MXFP4_SCALE if precision == "mxfp4" else FP4_OFFICIAL_SCALE + ("U8",)
+        if info.shape != shape:
+            self.problem("scale-shape", name, f"{name}: shape {_fmt(info.shape)}, expected {_fmt(shape)} "
+                         f"({precision} scale of {slot.name} {_fmt(slot.shape)})")
+        if info.dtype not in dtypes:
+            self.problem("scale-dtype", name, f"{name}: dtype {info.dtype}, expected {' or '.join(dtypes)} "
+                         f"({precision} scale of {slot.name})")
+        self.claimed.add(name)
+        return name
+
+    def record(self, slot: WeightSlot, precision: str, stored: list[str]) -> None:
+        self.claimed.update(stored)
+        kinds = self.report.mtp_kinds if slot.is_mtp else self.report.kinds
+        kinds.setdefault(slot.kind, KindSummary()).add(
+            precision, math.prod(slot.shape), len(stored), sum(self.r.info(n).nbytes for n in stored))
+
+    # ------------------------------------------------------------------ whole checkpoint
+    def run(self) -> None:
+        spec = self.spec
+        slots = weight_slots(spec, mtp=True)
+        mtp_missing: dict[str, list[WeightSlot]] = defaultdict(list)
+        mtp_total: Counter = Counter()
+        for slot in slots.values():
+            layer = spec.layer_prefix(slot.layer)[:-1] if slot.is_mtp else None
+            if layer:
+                mtp_total[layer] += 1
+            if slot.name not in self.r:
+                if layer:
+                    mtp_missing[layer].append(slot)
+                else:
+                    self.missing(slot)
+                continue
+            if slot.quantizable:
+                self.check_linear(slot)
+            else:
+                self.check_plain(slot)
+        self.check_mtp(mtp_missing, mtp_total)
+        self.check_quant_config(slots)
+        for name in self.r:
+            if name not in self.claimed:
+                info = self.r.info(name)
+                self.problem("unexpected", name, f"{name}: unexpected tensor ({info.dtype} {_fmt(info.shape)}): "
+                             f"{self.unexpected_reason(name)}")
+
+    def missing(self, slot: WeightSlot) -> None:
+        self.problem("missing", slot.name,
+                     f"{slot.name}: missing (expected {' or '.join(slot.dtypes)} {_fmt(slot.shape)}"
+                     + (", or a quantized form" if slot.quantizable else "") + ")")
+
+    def check_mtp(self, mtp_missing: dict[str, list[WeightSlot]], mtp_total: Counter) -> None:
+        spec, rep = self.spec, self.report
+        rep.mtp_layers_declared = spec.num_nextn_predict_layers
+        if spec.num_nextn_predict_layers == 0:
+            self.problem("no-mtp", None, "config.json: num_nextn_predict_layers = 0: the checkpoint declares no "
+                         "MTP layer, so MTP speculative decoding is unavailable", "warning")
+            return
+        for layer, total in mtp_total.items():
+            missing = mtp_missing.get(layer, [])
+            if len(missing) == total:
+                self.problem("mtp-absent", layer,
+                             f"{layer}: MTP layer absent: config.json declares num_nextn_predict_layers = "
+                             f"{spec.num_nextn_predict_layers} but no {layer}.* tensor is stored")
+                continue
+            rep.mtp_layers_present.append(layer)
+            for slot in missing:
+                self.missing(slot)
+        sev = "warning" if self.allow_quantized_mtp else "error"
+        for name, precision in self.stored_precision.items():
+            if name.startswith("mtp.") and precision in _QUANTIZED:
+                self.problem("mtp-quantized", name,
+                             f"{name}: MTP tensor stored {precision}; the MTP draft must be BF16 (dequantize the "
+                             f"MTP layer, or allow it explicitly)", sev)
+
+    def check_quant_config(self, slots: dict[str, WeightSlot]) -> None:
+        rep = self.report
+        qc = self.spec.quantization_config
+        quantized = {n: p for n, p in self.stored_precision.items() if p in _QUANTIZED}
+        if qc is None:
+            rep.quantization = "none"
+            for name, p in quantized.items():
+                self.problem("quant-config", name,
+                             f"{name}: stored {p} but config.json has no quantization_config")
+            return
+        method = qc.get("quant_method")
+        if method == "fp8":
+            rep.quantization = "fp8 (official block FP8)"
+            for name, p in quantized.items():
+                if p == "mxfp4":
+                    self.problem("quant-config", name, f"{name}: stored mxfp4 (Quark layout) but "
+                                 f"quantization_config.quant_method is 'fp8', not 'quark'")
+                elif p == "fp4-official" and self.spec.expert_dtype != "fp4":
+                    self.problem("quant-config", name, f"{name}: stored fp4-official but config.json "
+                                 f"expert_dtype is {self.spec.expert_dtype!r}, not 'fp4'")
+            return
+        if method != "quark":
+            rep.quantization = f"unsupported ({method!r})"
+            self.problem("quant-config", None, f"config.json: quantization_config.quant_method {method!r} is not "
+                         f"supported (expected 'quark' or 'fp8')")
+            return
+        from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig
+
+        try:
+            q = QuarkQuantConfig.from_dict(qc, source=f"{self.r.path / 'config.json'}: quantization_config")
+        except ValueError as e:
+            rep.quantization = "quark (invalid)"
+            self.problem("quant-config", None, str(e))
+            return
+        found = sorted(set(quantized.values()))
+        rep.quantization = "quark" + (f" ({', '.join(found)} stored)" if found else "")
+        for name, slot in slots.items():
+            if name not in self.r or not (name.endswith(".weight") and len(slot.shape) == 2):
+                continue
+            if slot.kind == "embed_head":
+                continue  # embedding and LM head are not Quark-quantized linears
+            module = slot.module
+            stored = self.stored_precision.get(name, "bf16")
+            excluded = q.is_excluded(module)
+            wanted = None if excluded else q.spec_for(module)
+            if stored in _QUANTIZED:
+                if stored == "fp4-official":
+                    self.problem("quant-config", name, f"{name}: stored in the official FP4 layout (int8 + "
+                                 f".scale) under a Quark quantization_config")
+                elif excluded:
+                    self.problem("quant-config", name, f"{name}: stored {stored} but quantization_config "
+                                 f"excludes '{module}'")
+                elif wanted is None:
+                    self.problem("quant-config", name, f"{name}: stored {stored} but no quantization_config "
+                                 f"spec covers '{module}'")
+                elif wanted != stored:
+                    self.problem("quant-config", name, f"{name}: stored {stored} but quantization_config says "
+                                 f"{wanted} for '{module}'")
+            elif wanted is not None:
+                self.problem("quant-config", name, f"{name}: stored {stored} but quantization_config quantizes "
+                             f"'{module}' as {wanted} (it is not in exclude)")
+
+    def unexpected_reason(self, name: str) -> str:
+        spec = self.spec
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+            lid = int(parts[1])
+            if lid >= spec.num_hidden_layers:
+                return f"layer {lid} is beyond num_hidden_layers = {spec.num_hidden_layers}"
+            return self._layer_reason(lid, ".".join(parts[2:]), f"layer {lid}")
+        if parts[0] == "mtp" and len(parts) > 1 and parts[1].isdigit():
+            i = int(parts[1])
+            if i >= spec.num_nextn_predict_layers:
+                return f"MTP layer {i} is beyond num_nextn_predict_layers = {spec.num_nextn_predict_layers}"
+            return self._layer_reason(spec.num_hidden_layers + i, ".".join(parts[2:]), f"MTP layer {i}")
+        return "not part of the DeepSeek-V4 layout"
+
+    def _layer_reason(self, lid: int, rest: str, what: str) -> str:
+        spec = self.spec
+        r = spec.compress_ratio(lid)
+        if rest.startswith("attn.compressor.") and r == 0:
+            return f"{what} is sliding-window only (compress ratio 0) and has no compressor"
+        if rest.startswith("attn.indexer.") and not spec.has_indexer(lid):
+            return f"{what} has compress ratio {r}; only ratio 4 layers have an indexer"
+        if rest == "ffn.gate.tid2eid":
+            return f"{what} is score-routed (num_hash_layers = {spec.num_hash_layers}); it has gate.bias, not tid2eid"
+        if rest == "ffn.gate.bias":
+            return f"{what} is hash-routed; it has gate.tid2eid, not gate.bias"
+        if rest.startswith("ffn.experts."):
+            e = rest.split(".")[2]
+            if e.isdigit() and int(e) >= spec.n_routed_experts:
+                return f"expert {e} is beyond n_routed_experts = {spec.n_routed_experts}"
+        if rest.endswith((".scale", ".weight_scale")) and not rest.endswith("hc_head_scale"):
+            return "a scale for a weight that is not stored quantized"
+        return "not part of the DeepSeek-V4 layout"
+
+
+def inspect_checkpoint(path: str | Path, *, allow_quantized_mtp: bool = False) -> InspectReport:
+    """Inspect a checkpoint directory (headers only). Never raises for a bad checkpoint: problems are reported."""
+    report = InspectReport(path=str(path))
+    try:
+        reader = CheckpointReader(path)
+    except CheckpointError as e:
+        report.problems.append(Problem("error", "checkpoint", None, str(e)))
+        return report
+    report.n_tensors, report.n_shards, report.nbytes = len(reader), len(reader.shards), reader.total_bytes
+    try:
+        spec = DeepseekV4Spec.from_dir(path)
+    except ConfigError as e:
+        report.problems.append(Problem("error", "config", None, str(e)))
+        return report
+    sched = Counter("SWA" if spec.compress_ratio(i) == 0 else f"C{spec.compress_ratio(i)}"
+                    for i in range(spec.num_hidden_layers))
+    report.config = {
+        "num_hidden_layers": spec.num_hidden_layers,
+        "schedule": ", ".join(f"{k} {v}" for k, v in sorted(sched.items(), key=lambda kv: kv[0])),
+        "compress_ratios": list(spec.compress_ratios),
+        "hidden_size": spec.hidden_size,
+        "n_routed_experts": spec.n_routed_experts,
+        "num_experts_per_tok": spec.num_experts_per_tok,
+        "vocab_size": spec.vocab_size,
+        "num_hash_layers": spec.num_hash_layers,
+        "num_nextn_predict_layers": spec.num_nextn_predict_layers,
+    }
+    _Inspector(reader, spec, report, allow_quantized_mtp).run()
+    return report

@@ -1,0 +1,38 @@
+"""``dsv4-mtp inspect DIR [--json]``: precision per module kind, MTP presence/precision, and every problem.
+
+Exit status 0 when the checkpoint has no error (warnings allowed), 1 otherwise. Reads headers only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "inspect",
+        help="check a DeepSeek-V4 checkpoint against its config.json (precisions, MTP, problems)",
+        description="Report, per module kind, the storage precision found (bf16 / fp8-block / mxfp4 / "
+                    "fp4-official), MTP presence and precision, parameter counts, and every problem (missing or "
+                    "mis-shaped tensors and scales, absent or quantized MTP layer, a quantization_config that "
+                    "does not cover what is stored, unexpected tensors). Exit status 1 on any error.",
+    )
+    p.add_argument("dir", help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--json", action="store_true", help="print the machine-readable report")
+    p.add_argument("--allow-quantized-mtp", action="store_true",
+                   help="report a quantized MTP layer as a warning instead of an error (e.g. the official "
+                        "FP8 release, whose MTP the plugin dequantizes to BF16 at load)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_dsv4_mtp.tools.inspect import inspect_checkpoint
+
+    report = inspect_checkpoint(args.dir, allow_quantized_mtp=args.allow_quantized_mtp)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.format_table())
+    return 0 if report.ok else 1

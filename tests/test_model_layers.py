@@ -1,0 +1,296 @@
+"""The plugin's DeepSeek-V4 layers against HF transformers' modules (float32, same weights).
+
+No engine here: the layers are built on vLLM's parallel linear layers in a one-process (gloo, TP=1) vLLM
+context, and their maths is compared with transformers 5.19's ``modeling_deepseek_v4`` modules:
+hyper-connections, rope (main and YaRN), attention of each layer type (SWA, C4 + indexer, C128 and a small
+ratio), MoE with hash and bias routing, BF16 and MXFP4 experts.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_dsv4_mtp.tools.tiny import hf_config, tiny_config
+
+M = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+
+# float32 sums of a few hundred terms in a different order: well below 1e-4
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def vllm_ctx():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+        initialize_model_parallel(1, 1)
+        torch.set_default_dtype(torch.float32)
+        yield
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def _configs(tmp_path, **overrides):
+    cfg = tiny_config(**overrides)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hcfg = hf_config(tmp_path)
+    hcfg._attn_implementation = "eager"
+    vc = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(**cfg), dtype=torch.float32),
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
+        compilation_config=SimpleNamespace(static_forward_context={}),
+        quant_config=None,
+    )
+    return cfg, hcfg, vc
+
+
+def _finish_loading(module):
+    """What vLLM's loader does after load_weights (CPU GEMM dispatch of the linear layers)."""
+    for m in module.modules():
+        qm = getattr(m, "quant_method", None)
+        if qm is not None:
+            qm.process_weights_after_loading(m)
+
+
+def _randomize(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * (0.2 if p.dim() > 1 else 0.5))
+
+
+# --------------------------------------------------------------------------------------------- mHC, rope
+def test_hyper_connection_and_head_match_hf(tmp_path):
+    from vllm_dsv4_mtp.model.hyper_connection import hc_head, hc_post, hc_pre
+
+    cfg, hcfg, _ = _configs(tmp_path)
+    hc, head = M.DeepseekV4HyperConnection(hcfg), M.DeepseekV4HyperHead(hcfg)
+    _randomize(hc, 0)
+    _randomize(head, 1)
+    x = torch.randn(9, cfg["hc_mult"], cfg["hidden_size"])
+    with torch.no_grad():
+        post, comb, collapsed = hc(x[None])
+        u, post2, comb2 = hc_pre(x, hc.fn, hc.base, hc.scale, sinkhorn_iters=hcfg.hc_sinkhorn_iters,
+                                 hc_eps=hcfg.hc_eps, norm_eps=hcfg.rms_norm_eps)
+        torch.testing.assert_close(u, collapsed[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(post2, post[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(comb2, comb[0], atol=1e-6, rtol=0)
+        # comb is (nearly) doubly stochastic after the Sinkhorn rounds
+        torch.testing.assert_close(comb2.sum(-2), torch.ones(9, 4), atol=1e-4, rtol=0)
+        f = torch.randn(9, cfg["hidden_size"])
+        ref_post = post[0].unsqueeze(-1) * f.unsqueeze(-2) + torch.matmul(comb[0].transpose(-1, -2), x)
+        torch.testing.assert_close(hc_post(f, x, post2, comb2), ref_post, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            hc_head(x, head.hc_fn, head.hc_base, head.hc_scale, hc_eps=hcfg.hc_eps, norm_eps=hcfg.rms_norm_eps),
+            head(x[None])[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("layer_type", ["main", "compress"])
+def test_rope_matches_hf(tmp_path, layer_type):
+    from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
+
+    cfg, hcfg, _ = _configs(tmp_path)
+    theta, yarn = (cfg["rope_theta"], None) if layer_type == "main" else (cfg["compress_rope_theta"],
+                                                                          cfg["rope_scaling"])
+    ours = DeepseekV4Rope(cfg["qk_rope_head_dim"], theta, yarn)
+    hf = M.DeepseekV4RotaryEmbedding(hcfg)
+    assert torch.equal(ours.inv_freq, getattr(hf, f"{layer_type}_inv_freq"))
+    pos = torch.arange(700)
+    x = torch.randn(700, 3, cfg["head_dim"])
+    cos, sin = hf(x, pos[None], layer_type=layer_type)
+    ref = M.apply_rotary_pos_emb(x[None].transpose(1, 2), cos, sin).transpose(1, 2)[0]
+    torch.testing.assert_close(ours(x, pos), ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours(ours(x, pos), pos, inverse=True), x, atol=1e-5, rtol=0)
+    assert torch.equal(ours(x, pos)[..., :-64], x[..., :-64])  # nope channels untouched
+
+
+# --------------------------------------------------------------------------------------------- attention
+def _copy_attention(ref, mine, ratio):
+    sd = {n: p.detach() for n, p in ref.named_parameters()}
+    P = dict(mine.named_parameters())
+    P["fused_wqa_wkv.weight"].data.copy_(torch.cat([sd["q_a_proj.weight"], sd["kv_proj.weight"]]))
+    for a, b in [("q_norm.weight", "q_a_norm.weight"), ("kv_norm.weight", "kv_norm.weight"),
+                 ("wq_b.weight", "q_b_proj.weight"), ("wo_a.weight", "o_a_proj.weight"),
+                 ("wo_b.weight", "o_b_proj.weight"), ("attn_sink", "sinks")]:
+        P[a].data.copy_(sd[b])
+    if ratio:
+        c = "compressor."
+        P[c + "fused_wkv_wgate.weight"].data.copy_(torch.cat([sd[c + "kv_proj.weight"], sd[c + "gate_proj.weight"]]))
+        P[c + "ape"].data.copy_(sd[c + "position_bias"])
+        P[c + "norm.weight"].data.copy_(sd[c + "kv_norm.weight"])
+    if ratio == 4:
+        i = "compressor.indexer."
+        P["indexer.compressor.fused_wkv_wgate.weight"].data.copy_(
+            torch.cat([sd[i + "kv_proj.weight"], sd[i + "gate_proj.weight"]]))
+        P["indexer.compressor.ape"].data.copy_(sd[i + "position_bias"])
+        P["indexer.compressor.norm.weight"].data.copy_(sd[i + "kv_norm.weight"])
+        P["indexer.wq_b.weight"].data.copy_(sd[i + "q_b_proj.weight"])
+        P["indexer.weights_proj.weight"].data.copy_(sd[i + "scorer.weights_proj.weight"])
+    _finish_loading(mine)
+
+
+def _attention_pair(tmp_path, ratios, lid, seed):
+    from vllm_dsv4_mtp.model.attention import DeepseekV4Attention
+
+    # 64 indexer heads (the real count): an entry's score is then never an exact tie at 0 (all heads ReLU'd),
+    # where HF's topk and ours may pick differently
+    cfg, hcfg, vc = _configs(tmp_path, compress_ratios=ratios, index_topk=4, index_n_heads=64)
+    ref = M.DeepseekV4Attention(hcfg, lid).float()
+    _randomize(ref, seed)
+    mine = DeepseekV4Attention(vc, compress_ratio=ratios[lid], prefix=f"model.layers.{lid}.attn")
+    _copy_attention(ref, mine, ratios[lid])
+    return cfg, hcfg, ref, mine
+
+
+def _ours_full(mine, x, pos, chunks=None):
+    q, qr, rows = mine.project(x, pos)
+    iq = iw = None
+    if mine.indexer is not None:
+        iq, iw = mine.indexer.queries(qr, x, pos, mine.rope)
+    chunks = chunks or [(0, x.shape[0])]
+    outs = [mine.attend_sequence(q[a:b], pos[a:b], rows[:b], None if iq is None else iq[a:b],
+                                 None if iw is None else iw[a:b]) for a, b in chunks]
+    return mine.output(torch.cat(outs))
+
+
+@pytest.mark.parametrize("ratios,lid", [
+    ([0, 4, 128, 4, 0], 0), ([0, 4, 128, 4, 0], 1), ([0, 4, 128, 4, 0], 2),
+    ([0, 4, 8, 4, 0], 1), ([0, 4, 8, 4, 0], 2),
+])
+def test_attention_matches_hf(vllm_ctx, tmp_path, ratios, lid):
+    """Full-sequence attention of every layer type over 300 tokens (window 128 wraps, C128 emits 2 entries,
+    C4 has 75 entries of which the indexer keeps 4 per query)."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    cfg, hcfg, ref, mine = _attention_pair(tmp_path, ratios, lid, seed=lid)
+    n = 300
+    x = torch.randn(1, n, cfg["hidden_size"])
+    pos = torch.arange(n)[None]
+    rot = M.DeepseekV4RotaryEmbedding(hcfg)
+    pe = {k: rot(x, pos, layer_type=k) for k in ("main", "compress")}
+    mask = create_sliding_window_causal_mask(config=hcfg, inputs_embeds=x, attention_mask=None,
+                                             past_key_values=None, position_ids=pos)
+    with torch.no_grad():
+        y_ref, _ = ref(x, pe, pos, mask)
+        y = _ours_full(mine, x[0], pos[0])
+    assert y_ref.abs().max() > 1.0  # the comparison is not between two near-zero tensors
+    torch.testing.assert_close(y, y_ref[0], atol=ATOL, rtol=0)
+
+
+def test_attention_chunked_queries_equal_full(vllm_ctx, tmp_path):
+    """Queries processed in pieces (as chunked prefill / decode do, over rows 0..end) give the same output."""
+    cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=5)
+    x = torch.randn(300, cfg["hidden_size"])
+    pos = torch.arange(300)
+    with torch.no_grad():
+        full = _ours_full(mine, x, pos)
+        pieces = _ours_full(mine, x, pos, chunks=[(0, 37), (37, 200), (200, 201), (201, 202), (202, 300)])
+    torch.testing.assert_close(pieces, full, atol=1e-5, rtol=0)
+
+
+def test_indexer_really_selects(vllm_ctx, tmp_path):
+    """With index_topk=4 the C4 attention depends on which entries the indexer keeps (not all of them)."""
+    cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=7)
+    x = torch.randn(300, cfg["hidden_size"])
+    pos = torch.arange(300)
+    with torch.no_grad():
+        y = _ours_full(mine, x, pos)
+        mine.indexer.topk = 10_000  # keep every visible entry instead
+        y_all = _ours_full(mine, x, pos)
+    assert (y - y_all).abs().max() > 1e-3
+    assert torch.equal(y[:16], y_all[:16])  # before 4*4 tokens there are at most 4 entries: nothing to choose
+
+
+# --------------------------------------------------------------------------------------------- MoE
+def _copy_moe(ref, mine, fmt):
+    from vllm_dsv4_mtp.formats import mxfp4
+
+    P = dict(mine.named_parameters())
+    P["gate.weight"].data.copy_(ref.gate.weight)
+    if mine.gate.is_hash:
+        P["gate.tid2eid"].data.copy_(ref.gate.tid2eid)
+    else:
+        P["gate.e_score_correction_bias"].data.copy_(ref.gate.e_score_correction_bias)
+    se = ref.shared_experts
+    P["shared_experts.gate_up_proj.weight"].data.copy_(torch.cat([se.gate_proj.weight, se.up_proj.weight]))
+    P["shared_experts.down_proj.weight"].data.copy_(se.down_proj.weight)
+    inter = mine.experts.intermediate_size
+    for e in range(mine.experts.num_experts):
+        w1, w3 = ref.experts.gate_up_proj[e].detach().chunk(2, 0)
+        for shard, w in (("w1", w1), ("w3", w3), ("w2", ref.experts.down_proj[e].detach())):
+            if fmt == "bf16":
+                mine.experts.load(f"experts.{e}.{shard}.weight", e, shard, "weight", w)
+                continue
+            packed, scales = mxfp4.quantize(w)
+            mine.experts.load(f"experts.{e}.{shard}.weight", e, shard, "weight", packed)
+            mine.experts.load(f"experts.{e}.{shard}.weight_scale", e, shard, "weight_scale", scales)
+            deq = mxfp4.dequantize(packed, scales)  # HF runs on the exactly dequantized weights
+            if shard == "w2":
+                ref.experts.down_proj.data[e] = deq
+            else:
+                ref.experts.gate_up_proj.data[e, (0 if shard == "w1" else inter):][:inter] = deq
+    _finish_loading(mine)
+
+
+@pytest.mark.parametrize("is_hash", [True, False])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_moe_matches_hf(vllm_ctx, tmp_path, is_hash, fmt):
+    """Router (hash / bias-selected), SwiGLU clamp, shared expert; MXFP4 weight-only equals HF on the decoded
+    weights; W4A4 equals the same experts on fake-quantised activations."""
+    from vllm_dsv4_mtp.formats import mxfp4
+    from vllm_dsv4_mtp.kernels.experts import swiglu_clamped
+    from vllm_dsv4_mtp.model.moe import DeepseekV4MoE
+
+    cfg, hcfg, _ = _configs(tmp_path)
+    lid = 0 if is_hash else 1
+    ref = M.DeepseekV4SparseMoeBlock(hcfg, lid).float()
+    g = torch.Generator().manual_seed(3)
+    for p in ref.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    if is_hash:
+        ref.gate.tid2eid.copy_(torch.randint(0, cfg["n_routed_experts"], ref.gate.tid2eid.shape, generator=g))
+    else:  # a bias large enough to change the selection, so "bias selects, scores weigh" is tested
+        ref.gate.e_score_correction_bias.copy_(torch.randn(cfg["n_routed_experts"], generator=g) * 2)
+    mine = DeepseekV4MoE(SimpleNamespace(**cfg), is_hash=is_hash, expert_format=fmt, prefix=f"model.layers.{lid}.ffn",
+                         activation_quant=False)
+    _copy_moe(ref, mine, fmt)
+    x = torch.randn(1, 64, cfg["hidden_size"]) * 3
+    ids = torch.randint(0, cfg["vocab_size"], (1, 64), generator=g)
+    with torch.no_grad():
+        y_ref = ref(x, ids)[0]
+        y = mine(x[0], ids[0])
+        torch.testing.assert_close(y, y_ref, atol=ATOL * y_ref.abs().max().item(), rtol=0)
+        assert (y_ref.abs().max() > 1.0) and ((y - mine.shared_experts(x[0])).abs().max() > 1e-2)
+        # the clamp is active for these inputs (|w1 x| exceeds swiglu_limit somewhere)
+        gate_up = mine.shared_experts.gate_up_proj(x[0])
+        assert gate_up.abs().max() > cfg["swiglu_limit"]
+        if fmt == "mxfp4":
+            mine.experts.activation_quant = True
+            y44 = mine(x[0], ids[0])
+            # the emulation, written out: exact decode, MXFP4 rounding of each GEMM input, weight after w2
+            w, e_ids = mine.gate(x[0], ids[0])
+            ref44 = mine.shared_experts(x[0])
+            for t in range(64):
+                for k in range(e_ids.shape[1]):
+                    w13, w2 = mine.experts.dequantized(int(e_ids[t, k]), torch.float32)
+                    gu = mxfp4.fake_quant(x[0, t : t + 1]) @ w13.T
+                    h = swiglu_clamped(*gu.chunk(2, dim=-1), cfg["swiglu_limit"])
+                    ref44[t] += w[t, k] * (mxfp4.fake_quant(h) @ w2.T)[0]
+            torch.testing.assert_close(y44, ref44, atol=ATOL * ref44.abs().max().item(), rtol=0)
+            assert (y44 - y).abs().max() > 1e-3  # W4A4 really rounds the activations

@@ -1,0 +1,96 @@
+"""DeepSeek-V4 rotary embedding: interleaved pairs on the trailing ``rope_dim`` channels.
+
+* Pairs are ``(2i, 2i+1)`` (GPT-J style) over the **last** ``qk_rope_head_dim`` (64) channels of a head;
+  the leading "nope" channels are untouched.
+* Sliding-window layers (and the MTP layer) use ``rope_theta`` without scaling; compressed layers (C4, C128)
+  use ``compress_rope_theta`` with YaRN frequency interpolation and **no** attention factor (mscale 0).
+* One rope serves a whole layer: queries, window kv, compressed entries (at position ``ratio * j``) and the
+  indexer. The attention output is rotated back by the inverse rotation at the query position.
+
+cos/sin are computed on the fly from ``positions * inv_freq`` in float32 (no table up to
+``max_position_embeddings``, which is 1M for the real models). The YaRN ramp uses vLLM's public helpers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.rotary_embedding.common import yarn_find_correction_range, yarn_linear_ramp_mask
+
+
+def rope_inv_freq(rope_dim: int, theta: float, yarn: dict | None) -> torch.Tensor:
+    """Inverse frequencies ``[rope_dim // 2]`` (float32); YaRN-interpolated when ``yarn`` is given.
+
+    ``yarn`` keys (the checkpoint's ``rope_scaling``): ``factor``, ``original_max_position_embeddings``,
+    ``beta_fast`` (32), ``beta_slow`` (1).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if not yarn:
+        return inv_freq
+    factor = float(yarn["factor"])
+    low, high = yarn_find_correction_range(
+        yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1, rope_dim, theta,
+        yarn["original_max_position_embeddings"], truncate=yarn.get("truncate", True),
+    )
+    # extrapolation weight is 1 for high-frequency pairs (kept), 0 for low-frequency ones (interpolated)
+    keep = 1.0 - yarn_linear_ramp_mask(low, high, rope_dim // 2, torch.float32)
+    return (inv_freq / factor) * (1.0 - keep) + inv_freq * keep
+
+
+def yarn_params_from_config(rope_scaling: dict | None) -> dict | None:
+    """The YaRN parameters of a ``rope_scaling`` / ``rope_parameters`` dict, or None when it is not YaRN."""
+    if not rope_scaling:
+        return None
+    if isinstance(rope_scaling.get("compress"), dict):  # HF-style nested {"main", "compress"}
+        rope_scaling = rope_scaling["compress"]
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if kind != "yarn":
+        return None
+    attention_factor = rope_scaling.get("attention_factor", 1.0)
+    if attention_factor not in (None, 1.0):
+        raise ValueError(f"rope_scaling.attention_factor must be 1.0 for DeepSeek-V4 (got {attention_factor})")
+    return rope_scaling
+
+
+class DeepseekV4Rope(nn.Module):
+    """Interleaved partial rotary embedding of one layer (``rope_dim`` trailing channels)."""
+
+    def __init__(self, rope_dim: int, theta: float, yarn: dict | None = None):
+        super().__init__()
+        self.rope_dim = rope_dim
+        self.register_buffer("inv_freq", rope_inv_freq(rope_dim, theta, yarn), persistent=False)
+        self.theta = theta
+        self.is_yarn = bool(yarn)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions: [N]`` int -> ``cos, sin: [N, rope_dim // 2]`` float32."""
+        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        return freqs.cos(), freqs.sin()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate the last ``rope_dim`` channels of ``x: [N, ..., C]`` at ``positions: [N]``.
+
+        Computed in float32, returned in ``x.dtype``; ``inverse=True`` applies the conjugate rotation.
+        """
+        cos, sin = self.cos_sin(positions)
+        if inverse:
+            sin = -sin
+        extra = x.dim() - 2  # broadcast over head dims between N and C
+        cos = cos.view(cos.shape[0], *([1] * extra), cos.shape[-1])
+        sin = sin.view(sin.shape[0], *([1] * extra), sin.shape[-1])
+        nope, rope = x[..., : -self.rope_dim], x[..., -self.rope_dim :].float()
+        even, odd = rope[..., 0::2], rope[..., 1::2]
+        rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+        return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def layer_rope(
+    *, compress_ratio: int, rope_dim: int, rope_theta: float, compress_rope_theta: float, rope_scaling: dict | None
+) -> DeepseekV4Rope:
+    """The rope of a layer: plain ``rope_theta`` for SWA (ratio 0/1), YaRN ``compress_rope_theta`` otherwise."""
+    if compress_ratio > 1:
+        return DeepseekV4Rope(rope_dim, compress_rope_theta, yarn_params_from_config(rope_scaling))
+    return DeepseekV4Rope(rope_dim, rope_theta, None)
+
+
+__all__ = ["DeepseekV4Rope", "layer_rope", "rope_inv_freq", "yarn_params_from_config"]

@@ -1,0 +1,203 @@
+"""OCP MXFP4: E2M1 elements in blocks of 32 along the last (reduction) dim, one E8M0 scale per block.
+
+Bit-exact with what AMD Quark 0.13 writes for ``OCP_MXFP4Spec`` (``scale_calculation_mode="even"``,
+``round_method="half_even"``), which is the format of ``amd/DeepSeek-V4-Pro-MXFP4`` experts.
+
+Storage (the layout of Quark's export and of the official DeepSeek-V4 FP4 experts):
+
+- ``packed``: uint8 ``[..., K // 2]``; byte ``j`` holds element ``2j`` in its LOW nibble and ``2j + 1`` in
+  its high nibble. A nibble is an E2M1 code: bit 3 = sign, bits 0-2 index ``0, .5, 1, 1.5, 2, 3, 4, 6``.
+- ``scales``: uint8 ``[..., K // 32]``, raw E8M0 bytes: value ``2 ** (byte - 127)``; byte 0 is ``2**-127``;
+  255 is NaN (OCP MX v1.0). Never cast E8M0 numerically: always move the raw bytes (``.view(torch.uint8)``).
+
+Scale rule (Quark's ``even_round``): add ``2**21`` to the float32 bit pattern of the block's amax and keep only
+its exponent bits (a significand below 1.75 stays in its binade, 1.75 or more moves up to the next power of
+two), then ``exponent = floor(log2(that)) - 2`` (2 = emax of E2M1), clamped to ``[-127, 127]``. In bit terms,
+with ``E`` the biased exponent of ``bits(amax) + 2**21``: ``byte = clamp(E - 2, 0, 252)``, or 254 when ``E`` is
+255 (amax is, or rounds up to, inf; byte 253 never occurs). This is ``floor(log2(amax)) - 2`` except
+one higher when amax's significand is >= 1.75 (amax 1.75 -> scale 0.5, amax 7 -> scale 2, so 7 quantizes to
+8, not 6). Elements: ``x / scale`` rounded to the nearest E2M1 value, ties to even, saturating at +-6.
+
+Special values (first: Quark's defined behaviour, which this module matches; then where Quark has none):
+
+- all-zero block: every code 0 and scale byte 1 (``2**-126``). Quark's quantizer picks ``2**-127`` here but its
+  exporter clamps the logged scale at ``2**-126`` (``safe_log2``) and writes 1; we write the same byte.
+- negative values that round to zero, and ``-0.0``: code 0 (+0), as Quark's quantizer returns +0.0 for them.
+  ``fake_quant`` therefore yields +0.0 there. Decoding code 8 (as other producers may write) gives -0.0.
+- blocks whose amax rounds below ``2**-124`` (not all zero): scale ``2**-127`` (byte 0). Quark quantizes the
+  elements with that scale too, but its exporter writes byte 1 (clamped), which decodes to twice the value
+  it quantized; we write the byte that decodes to Quark's own fake-quant result.
+- +-inf in a block: the scale is ``2**127`` (byte 254, Quark's rule), the infinite element saturates to +-6
+  (code 7 / 15; OCP saturating conversion; Quark's packer turns inf into code 6 by bit extraction), the
+  other elements are quantized against ``2**127``. Decoding gives +-inf (6 * 2**127 overflows float32,
+  bfloat16 and float16), equal to Quark's fake-quant value.
+- NaN anywhere in a block: scale byte 255 (NaN, OCP) and every code 0; the block decodes to NaN (even a
+  decoder that ignores the NaN encoding computes ``2**128 * 0 = NaN``). Quark's exporter writes an
+  undefined byte here (a NaN cast to int); its fake-quant gives NaN for the whole block, as we do.
+
+All functions work on any leading dims and compute in float32 (bfloat16/float16 inputs are exact in it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_SIZE = 32
+E8M0_BIAS = 127
+E8M0_NAN = 255
+# The scale byte Quark's exporter writes for an all-zero block (see the module docstring).
+E8M0_ZERO_BLOCK = 1
+E2M1_MAX = 6.0
+_E2M1_EMAX = 2  # floor(log2(6)): the scale exponent is floor(log2(amax)) - 2
+
+# E2M1 value of each 4-bit code (bit 3 = sign).
+E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                                  -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+# Midpoints between neighbouring E2M1 magnitudes. Round-half-to-even sends a tie to the neighbour with an
+# even code (mantissa bit 0): 0.25 -> 0, 1.25 -> 1, 2.5 -> 2, 5 -> 4 go DOWN (so |v| must exceed them),
+# 0.75 -> 1, 1.75 -> 2, 3.5 -> 4 go UP (|v| reaching them is enough).
+_TIES_DOWN = (0.25, 1.25, 2.5, 5.0)
+_TIES_UP = (0.75, 1.75, 3.5)
+
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _byte_view(t: torch.Tensor, what: str, allowed: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """Reinterpret ``t``'s bytes as uint8 (never a numeric cast)."""
+    if t.dtype == torch.uint8:
+        return t
+    if t.dtype in allowed:
+        return t.contiguous().view(torch.uint8)
+    names = ", ".join(str(d) for d in (torch.uint8, *allowed))
+    raise TypeError(f"MXFP4 {what} must be raw bytes ({names}), got {t.dtype}")
+
+
+def _packed_bytes(packed: torch.Tensor) -> torch.Tensor:
+    allowed = (torch.int8,) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ())
+    return _byte_view(packed, "packed elements", allowed)
+
+
+def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
+    allowed = (torch.int8,) + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
+    return _byte_view(scales, "E8M0 scales", allowed)
+
+
+def _check_last_dim(x: torch.Tensor, group_size: int) -> None:
+    if group_size <= 0 or group_size % 2:
+        raise ValueError(f"MXFP4 group_size must be a positive even number, got {group_size}")
+    if x.ndim == 0 or x.shape[-1] % group_size:
+        k = x.shape[-1] if x.ndim else "a 0-d tensor"
+        raise ValueError(
+            f"MXFP4 quantizes blocks of {group_size} along the last dim, but its size is {k} "
+            f"(shape {tuple(x.shape)}): not a multiple of {group_size}"
+        )
+
+
+def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """Raw E8M0 bytes ``[...]`` (uint8 / int8 / float8_e8m0fnu) -> float32 ``2**(byte - 127)``; 255 -> NaN."""
+    b = _scale_bytes(scales).to(torch.int32)
+    # byte 0 is 2**-127, a float32 subnormal (bit 22); every other byte is a plain biased exponent.
+    bits = torch.where(b == 0, torch.full_like(b, 1 << 22), b << 23)
+    return bits.view(torch.float32).masked_fill(b == E8M0_NAN, float("nan"))
+
+
+def e8m0_scale_even(amax: torch.Tensor) -> torch.Tensor:
+    """Block amax ``[...]`` (float, >= 0 or NaN) -> E8M0 scale byte ``[...]`` uint8 by Quark's "even" rule.
+
+    ``byte = clamp(E - 2, 0, 252)`` with ``E`` the biased float32 exponent of ``bits(amax) + 2**21``: an amax
+    whose significand is >= 1.75 moves up one binade. If that reaches inf (``E == 255``) the byte is 254. Zero amax -> :data:`E8M0_ZERO_BLOCK`;
+    NaN -> 255.
+    """
+    a = amax.to(torch.float32)
+    bits = a.view(torch.int32).to(torch.int64)  # int64: NaN bit patterns + 2**21 must not wrap
+    rounded_exp = (bits + (1 << 21)) >> 23  # amax >= 0, so the sign bit is clear
+    byte = (rounded_exp - _E2M1_EMAX).clamp_(0, 252)
+    # An amax that is inf, or rounds up to inf, has log2 = inf, clamped to exponent 127: byte 254, so byte 253
+    # is never produced (finite roundings top out at 2**127 -> 125 -> byte 252).
+    byte = byte.masked_fill(rounded_exp >= 255, 254).to(torch.uint8)
+    byte = byte.masked_fill(a == 0, E8M0_ZERO_BLOCK)
+    return byte.masked_fill(torch.isnan(a), E8M0_NAN)
+
+
+def quantize_codes(x: torch.Tensor, group_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` float -> (E2M1 codes uint8 ``[..., K]``, one per element; scales uint8 ``[..., K // g]``)."""
+    if x.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"MXFP4 quantize needs a floating-point tensor, got {x.dtype}")
+    _check_last_dim(x, group_size)
+    lead, k = x.shape[:-1], x.shape[-1]
+    blocks = x.to(torch.float32).reshape(*lead, k // group_size, group_size)
+    amax = blocks.abs().amax(dim=-1)  # NaN-propagating
+    scales = e8m0_scale_even(amax)
+    # Division by an exact power of two (as Quark does). NaN blocks give NaN here, and every comparison
+    # below is False for NaN, so their codes come out 0.
+    v = blocks / e8m0_to_float(scales).unsqueeze(-1)
+    a = v.abs()
+    codes = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for t in _TIES_DOWN:
+        codes += a > t
+    for t in _TIES_UP:
+        codes += a >= t
+    # Quark returns +0.0 for anything that rounds to zero, so the sign is kept only on non-zero codes.
+    codes |= ((v < 0) & (codes > 0)).to(torch.uint8) << 3
+    return codes.reshape(*lead, k), scales
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes uint8 ``[..., K]`` (K even) -> packed uint8 ``[..., K // 2]``, even element in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_codes needs an even last dim, got shape {tuple(codes.shape)}")
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """Packed ``[..., N]`` (uint8 / int8 / float4_e2m1fn_x2) -> E2M1 codes uint8 ``[..., 2N]``."""
+    b = _packed_bytes(packed)
+    return torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*b.shape[:-1], b.shape[-1] * 2)
+
+
+def quantize(x: torch.Tensor, group_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` -> (packed uint8 ``[..., K // 2]``, E8M0 scales uint8 ``[..., K // group_size]``)."""
+    codes, scales = quantize_codes(x, group_size)
+    return pack_codes(codes), scales
+
+
+def _byte_lut(device: torch.device) -> torch.Tensor:
+    """float32 ``[256, 2]``: the two element values (low nibble first) of every packed byte."""
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    b = torch.arange(256, device=device)
+    return torch.stack((values[b & 0x0F], values[b >> 4]), dim=-1)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Packed ``[..., N]`` -> unscaled E2M1 element values float32 ``[..., 2N]``."""
+    b = _packed_bytes(packed)
+    return _byte_lut(b.device)[b.long()].reshape(*b.shape[:-1], b.shape[-1] * 2)
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
+               group_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """(packed ``[..., K // 2]``, scales ``[..., K // group_size]``) -> values ``[..., K]`` in ``dtype``.
+
+    The product is formed in float32, where it is exact (or +-inf on overflow), then cast.
+    """
+    p, s = _packed_bytes(packed), _scale_bytes(scales)
+    k = p.shape[-1] * 2 if p.ndim else 0
+    if p.ndim == 0 or s.shape[:-1] != p.shape[:-1] or s.shape[-1] * group_size != k:
+        raise ValueError(
+            f"MXFP4 scales shape {tuple(s.shape)} does not match packed shape {tuple(p.shape)}: "
+            f"expected {(*p.shape[:-1], k // group_size) if p.ndim else '?'} (one scale per {group_size} elements)"
+        )
+    values = unpack_e2m1(p).reshape(*p.shape[:-1], k // group_size, group_size)
+    out = values * e8m0_to_float(s).unsqueeze(-1)
+    return out.reshape(*p.shape[:-1], k).to(dtype)
+
+
+def fake_quant(x: torch.Tensor, group_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """Quantize-dequantize ``x [..., K]`` (the W4A4 activation rounding); same shape and dtype as ``x``."""
+    codes, scales = quantize_codes(x, group_size)
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)[codes.long()]
+    lead, k = x.shape[:-1], x.shape[-1]
+    out = values.reshape(*lead, k // group_size, group_size) * e8m0_to_float(scales).unsqueeze(-1)
+    return out.reshape(x.shape).to(x.dtype)

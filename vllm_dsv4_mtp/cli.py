@@ -15,6 +15,8 @@ COMMANDS: dict[str, str] = {
     "inspect": "vllm_dsv4_mtp.tools.inspect_cmd",
     "quantize": "quant.cli",
     "build-tiny": "vllm_dsv4_mtp.tools.tiny_cmd",
+    "serve": "vllm_dsv4_mtp.serve.cli",
+    "metrics": "vllm_dsv4_mtp.serve.metrics",
 }
 
 

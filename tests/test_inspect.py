@@ -299,12 +299,32 @@ def test_mxfp4_under_the_official_fp8_config(capsys, mxfp4, tmp_path):
             "is 'fp8', not 'quark'") in msgs
 
 
-def test_invalid_quark_config(capsys, mxfp4, tmp_path):
-    p = _with_quark(mxfp4, tmp_path, lambda q, c: q.pop("global_quant_config"))
+def test_quark_config_does_not_cover_stored_mxfp4(capsys, mxfp4, tmp_path):
+    """No global config and no layer entry for the experts: nothing declares the stored MXFP4 tensors."""
+    p = _with_quark(mxfp4, tmp_path, lambda q, c: q.update(global_quant_config=None))
     rc, msgs, _ = _problems(capsys, p)
-    assert rc == 1 and len(msgs) == 1
-    assert msgs[0].startswith(f"{tmp_path / 'config.json'}: quantization_config")
-    assert "global_quant_config" in msgs[0]
+    assert rc == 1 and len(msgs) == 96
+    assert msgs[0] == ("layers.0.ffn.experts.0.w1.weight: stored mxfp4 but no quantization_config spec covers "
+                       "'layers.0.ffn.experts.0.w1'")
+
+
+def test_quark_layer_entry_says_another_precision(capsys, mxfp4, tmp_path):
+    from vllm_dsv4_mtp.formats.quark_config import fp8_block_layer_config
+
+    p = _with_quark(mxfp4, tmp_path, lambda q, c: q["layer_quant_config"].update(
+        {r"re:layers\.2\.ffn\.experts\.\d+\.w2": fp8_block_layer_config()}))
+    rc, msgs, _ = _problems(capsys, p)
+    assert rc == 1 and len(msgs) == 8
+    assert msgs[0] == ("layers.2.ffn.experts.0.w2.weight: stored mxfp4 but quantization_config says fp8-block for "
+                       "'layers.2.ffn.experts.0.w2'")
+
+
+def test_invalid_quark_config(capsys, mxfp4, tmp_path):
+    p = _with_quark(mxfp4, tmp_path, lambda q, c: q.pop("export"))
+    rc, msgs, _ = _problems(capsys, p)
+    assert rc == 1
+    assert msgs == [f"{tmp_path / 'config.json'}: quantization_config.export: missing (vLLM's QuarkConfig requires "
+                    f"the export block)"]
 
 
 # --------------------------------------------------------------------------------------------- unreadable input
@@ -340,7 +360,6 @@ def test_library_report_matches_cli(bf16):
 
 def test_official_fp8_fp4_layout(capsys, tmp_path):
     """The official release's layout: FP8 linears with .scale, int8 FP4 experts; its MTP is quantized too."""
-    pytest.importorskip("vllm_dsv4_mtp.formats.fp8", reason="formats engineer's fp8 module not landed")
     p = build_tiny_checkpoint(tmp_path, experts="fp4-official", linears="fp8", tokenizer=False)
     rc, msgs, rep = _problems(capsys, p)
     assert rc == 1 and all(": MTP tensor stored " in m for m in msgs)

@@ -133,7 +133,6 @@ def test_tokenizer_loads_in_vllm_deepseek_v4_mode(bf16_dir):
 
 
 def test_mxfp4_variant(tmp_path, bf16_dir):
-    pytest.importorskip("vllm_dsv4_mtp.formats.quark_config", reason="formats engineer's quark_config not landed")
     from vllm_dsv4_mtp.formats import mxfp4
     from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig
 
@@ -157,7 +156,6 @@ def test_mxfp4_variant(tmp_path, bf16_dir):
 
 
 def test_official_fp8_fp4_variant(tmp_path, bf16_dir):
-    pytest.importorskip("vllm_dsv4_mtp.formats.fp8", reason="formats engineer's fp8 module not landed")
     from vllm_dsv4_mtp.formats.fp8 import dequantize_block_fp8
 
     path = build_tiny_checkpoint(tmp_path, experts="fp4-official", linears="fp8", tokenizer=False)

@@ -396,7 +396,7 @@ class _Inspector:
         from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig
 
         try:
-            q = QuarkQuantConfig.from_dict(qc, source=f"{self.r.path / 'config.json'}: quantization_config")
+            q = QuarkQuantConfig.from_dict(qc, source=str(self.r.path / "config.json"))
         except ValueError as e:
             rep.quantization = "quark (invalid)"
             self.problem("quant-config", None, str(e))
@@ -411,7 +411,12 @@ class _Inspector:
             module = slot.module
             stored = self.stored_precision.get(name, "bf16")
             excluded = q.is_excluded(module)
-            wanted = None if excluded else q.spec_for(module)
+            try:
+                wanted = None if excluded else q.spec_for(module)
+            except ValueError as e:  # a scheme the project cannot serve: one message per distinct cause
+                if str(e) not in self.report.messages():
+                    self.problem("quant-config", name, str(e))
+                continue
             if stored in _QUANTIZED:
                 if stored == "fp4-official":
                     self.problem("quant-config", name, f"{name}: stored in the official FP4 layout (int8 + "

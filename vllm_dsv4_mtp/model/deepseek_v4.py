@@ -156,6 +156,22 @@ class DeepseekV4ForCausalLM(nn.Module):
         are valid), or None when no drafter consumes them."""
         return self.model._mtp_hidden_buffer
 
+    def describe(self) -> dict:
+        """What this instance runs (for logs and tests): class, per-layer attention / expert implementation."""
+        layers = self.model.layers
+        return {
+            "class": f"{type(self).__module__}.{type(self).__name__}",
+            "dtype": str(self.lm_head.weight.dtype),
+            "compress_ratios": [layer.attn.compress_ratio for layer in layers],
+            "hash_layers": [i for i, layer in enumerate(layers) if layer.ffn.gate.is_hash],
+            "experts": [layer.ffn.experts_impl for layer in layers],
+            "expert_activation_quant": [getattr(layer.ffn.experts, "activation_quant", None) for layer in layers],
+            "row_widths": [layer.attn.row_width for layer in layers],
+            "cache_row_width": layers[0].attn.cache.cache_width,
+            "mtp_hidden_buffer": None if self.model._mtp_hidden_buffer is None
+            else list(self.model._mtp_hidden_buffer.shape),
+        }
+
     # ---------------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load native-named tensors (see ``model/weights.py``); every tensor is loaded or skipped on purpose.

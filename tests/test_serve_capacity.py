@@ -200,3 +200,22 @@ def test_kv_scale_reproduces_the_measurement():
     assert capacity.kv_bytes_per_token(pro, "fp8") * 1048576 == pytest.approx(14.88 * GIB)
     # rows per token from the layer schedule: 30 C4 layers (row + indexer row) / 4, 31 C128 layers / 128
     assert capacity.kv_row_bytes_per_token(pro, "fp8") == pytest.approx(30 * (584 + 132) / 4 + 31 * 584 / 128)
+
+
+def test_config_only_directory_uses_expected_tensors(tmp_path):
+    """Without shards, the bytes come from expected_tensors() for the config's quantization_config; for a
+    Quark MXFP4 checkpoint they equal what the headers of the real files say."""
+    import shutil
+
+    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
+
+    full = build_tiny_checkpoint(tmp_path / "full", experts="mxfp4", tokenizer=False)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(full / "config.json", bare / "config.json")
+    from_files, from_config = load_weight_table(str(full)), load_weight_table(str(bare))
+    assert "no weights: layout from its quantization_config" in from_config.source
+    for label, part in from_files.target.items():
+        assert from_config.target[label].nbytes == part.nbytes, label
+        assert from_config.target[label].params == part.params, label
+    assert from_files.target["routed experts"].precision == {"mxfp4"}

@@ -74,7 +74,7 @@ def accuracy(model, tok, problems: list[dict], fewshot: list[dict], limit: int |
 @torch.no_grad()
 def mtp_agreement(model, mtp, tok, problems: list[dict], fewshot: list[dict], limit: int | None = None) -> dict:
     """Draft/target agreement on the target's own greedy answers (see module doc)."""
-    from .train import target_forward
+    from ..reference.mtp import target_forward
 
     rows = problems[:limit] if limit else problems
     n = a1 = a12 = 0

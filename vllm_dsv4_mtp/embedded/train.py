@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..reference.mtp import target_forward
 from . import ASSETS_DIR, BF16_CHECKPOINT_DIR
 from . import data as gsm
 
@@ -108,18 +109,6 @@ def build_models(cfg: dict, seed: int):
     for module in mtp.modules():  # the target was initialised by HF's post_init; the MTP the same way
         model._init_weights(module)
     return model, mtp
-
-
-def target_forward(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits ``[B, L, V]`` and the last layer's pre-``hc_head`` streams ``[B, L, hc, D]`` (what vLLM hands
-    the MTP drafter), captured with a forward hook on the last decoder layer."""
-    captured = []
-    handle = model.model.layers[-1].register_forward_hook(lambda m, a, out: captured.append(out))
-    try:
-        logits = model(input_ids=ids, use_cache=False).logits
-    finally:
-        handle.remove()
-    return logits, captured[0]
 
 
 class BiasBalancer:

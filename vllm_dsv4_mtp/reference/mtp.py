@@ -93,6 +93,19 @@ def recursion_context(step_kvs: list[torch.Tensor], positions: torch.Tensor, win
     return torch.cat(step_kvs, dim=2), torch.cat(masks, dim=-1)
 
 
+def target_forward(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run HF's ``DeepseekV4ForCausalLM`` on ``ids [B, L]``: logits ``[B, L, V]`` and the last layer's
+    streams ``[B, L, hc, D]`` after its ``hc_post`` and before ``hc_head`` (what vLLM hands the MTP
+    drafter), captured with a forward hook on the last decoder layer."""
+    captured = []
+    handle = model.model.layers[-1].register_forward_hook(lambda m, a, out: captured.append(out))
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits
+    finally:
+        handle.remove()
+    return logits, captured[0]
+
+
 def mtp_block_config(config: DeepseekV4Config) -> DeepseekV4Config:
     """The target's config narrowed to one SWA, bias-routed (non-hash) MoE layer: the MTP block."""
     cfg = copy.deepcopy(config)

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from vllm_dsv4_mtp.serve import cli
-from vllm_dsv4_mtp.serve.command import SHORT_OPTIONS, ServeArgsError, build_command, merge_flags
+from vllm_dsv4_mtp.serve.command import ServeArgsError, build_command, merge_flags
 from vllm_dsv4_mtp.serve.profiles import PROFILES, get_profile
 
 

@@ -228,8 +228,10 @@ def _final_install_command() -> list[str]:
     last = max(s for s, _, _ in instructions(ROCM))
     runs = [r for s, w, r in instructions(ROCM) if s == last and w == "RUN" and "pip install" in r]
     assert len(runs) == 1, runs
-    install = runs[0].split("&&")[0]
-    return shlex.split(install)
+    argv = shlex.split(runs[0].split("&&")[0])
+    while re.match(r"^[A-Z_]+=", argv[0]):  # leading VAR=value assignments
+        assert argv.pop(0) == "PIP_BREAK_SYSTEM_PACKAGES=1"
+    return argv
 
 
 def test_rocm_install_resolves_to_the_plugin_wheel_only(rocm_wheel, tmp_path):

@@ -17,6 +17,9 @@ COMMANDS: dict[str, str] = {
     "build-tiny": "vllm_dsv4_mtp.tools.tiny_cmd",
     "serve": "vllm_dsv4_mtp.serve.cli",
     "metrics": "vllm_dsv4_mtp.serve.metrics",
+    "eval": "vllm_dsv4_mtp.evaluate.eval_cmd",
+    "bench": "vllm_dsv4_mtp.evaluate.bench",
+    "demo": "vllm_dsv4_mtp.evaluate.demo",
 }
 
 

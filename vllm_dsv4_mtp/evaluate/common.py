@@ -1,0 +1,85 @@
+"""What eval, bench and demo share: the held-out problems, the default models, MTP availability, the machine.
+
+Answers are judged with :func:`vllm_dsv4_mtp.embedded.data.answer_number` (the ``#### N`` value, the same
+rule the training engineer's HF-only evaluation uses); lm-eval runs apply lm-eval's own gsm8k filters.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR, FEWSHOT_JSONL, MXFP4_CHECKPOINT_DIR, TEST_JSONL
+from vllm_dsv4_mtp.embedded import data as gsm
+
+
+def has_checkpoint(path: Path) -> bool:
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def mtp_draft_registered() -> bool:
+    """True once the plugin registers its BF16 MTP draft under vLLM's DeepSeek-V4 draft name."""
+    from vllm_dsv4_mtp.registration import DRAFT_MODELS
+
+    return "DeepSeekV4MTPModel" in DRAFT_MODELS
+
+
+def embedded_models() -> dict[str, Path]:
+    """The shipped checkpoints that exist: ``{"BF16": dir, "MXFP4": dir}`` (either may be missing)."""
+    return {name: p for name, p in (("BF16", BF16_CHECKPOINT_DIR), ("MXFP4", MXFP4_CHECKPOINT_DIR))
+            if has_checkpoint(p)}
+
+
+def load_problems(path: Path | None = None, limit: int | None = None) -> list[dict]:
+    rows = gsm.read_jsonl(Path(path) if path else TEST_JSONL)
+    return rows[:limit] if limit else rows
+
+
+def fewshot_examples(k: int, path: Path | None = None) -> list[dict]:
+    pool = gsm.read_jsonl(Path(path) if path else FEWSHOT_JSONL)
+    if k > len(pool):
+        raise ValueError(f"{k}-shot asked but {path or FEWSHOT_JSONL} holds {len(pool)} examples")
+    return pool[:k]
+
+
+def prompt_for(problem: dict, fewshot: list[dict]) -> str:
+    """lm-eval's gsm8k layout (``Question: ...\\nAnswer:``), the layout the embedded model was trained on."""
+    return gsm.format_prompt(problem["question"], fewshot)
+
+
+def is_correct(completion: str, problem: dict) -> bool:
+    """The completion's ``#### N`` equals the reference's (GSM8K's strict rule)."""
+    got = gsm.answer_number(completion)
+    return got is not None and got == gsm.answer_number(problem["answer"])
+
+
+def machine() -> dict:
+    """The machine a number was measured on (for benchmark reports)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version()}
+    try:
+        import importlib.metadata as md
+
+        from vllm_dsv4_mtp.serve.versions import installed_vllm
+
+        name, version = installed_vllm()
+        info["vllm"] = f"{name} {version}"
+        info["torch"] = md.version("torch")
+    except Exception as e:  # noqa: BLE001 - informational only
+        info["vllm"] = f"unknown ({e})"
+    try:
+        mem = Path("/proc/meminfo").read_text().split("\n")[0].split()[1]
+        info["memory_gib"] = round(int(mem) / 2**20, 1)
+    except (OSError, IndexError, ValueError):
+        pass
+    return info

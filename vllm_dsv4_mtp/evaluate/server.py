@@ -1,0 +1,176 @@
+"""A vLLM server started through ``dsv4-mtp serve`` for a run of eval / bench / demo, stopped when the run ends.
+
+One server at a time: :class:`ManagedServer` is a context manager that starts
+``python -m vllm_dsv4_mtp.serve.cli --profile PROFILE MODEL --port P [overrides]`` (the same wrapper an operator
+runs, so the profile's flags and environment apply), waits for ``/health``, and on exit stops it with SIGINT
+(vLLM's clean shutdown; the serve wrapper has exec'd into vLLM's server, so the PID is the server's) and, if it
+does not exit in time, kills its process group (started in its own session for exactly that).
+
+Speculative decoding is chosen per server: ``mtp_k=None`` -> ``--speculative-config null`` (off);
+``mtp_k=K`` -> the profile's MTP config with ``num_speculative_tokens`` K.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy; the message ends with the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def spec_label(mtp_k: int | None) -> str:
+    return "MTP off" if mtp_k is None else f"MTP K={mtp_k}"
+
+
+@dataclass
+class ServerSpec:
+    """What to serve: a checkpoint directory, MTP off (None) or K draft tokens, and extra vLLM flags."""
+
+    model: str
+    mtp_k: int | None = None
+    profile: str = "cpu-tiny"
+    served_model_name: str = "dsv4-tiny"
+    extra_args: list[str] = field(default_factory=list)
+
+    def serve_argv(self, port: int) -> list[str]:
+        spec = (["--speculative-config", "null"] if self.mtp_k is None
+                else ["--speculative-config.num_speculative_tokens", str(self.mtp_k)])
+        return [sys.executable, "-m", "vllm_dsv4_mtp.serve.cli", "--profile", self.profile, str(self.model),
+                "--host", LOOPBACK, "--port", str(port), "--served-model-name", self.served_model_name,
+                *spec, *self.extra_args]
+
+
+class ManagedServer:
+    """``with ManagedServer(spec) as srv: srv.base_url ...`` (see the module docstring)."""
+
+    def __init__(self, spec: ServerSpec, *, port: int | None = None, log_path: Path | None = None,
+                 start_timeout_s: float = 600.0, stop_timeout_s: float = 90.0, quiet: bool = False) -> None:
+        self.spec = spec
+        self.port = port or free_port()
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="dsv4-serve-")) / "server.log"
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.quiet = quiet
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT`` (append ``/v1`` for the OpenAI API, ``/metrics`` for Prometheus)."""
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def log_tail(self, n: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def start(self) -> "ManagedServer":
+        argv = self.spec.serve_argv(self.port)
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        if not self.quiet:
+            print(f"# starting {spec_label(self.spec.mtp_k)} server: {' '.join(argv[1:])}\n#   log: {self.log_path}",
+                  file=sys.stderr, flush=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        t0 = time.monotonic()
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+        if not self.quiet:
+            print(f"# server ready on {self.base_url} after {self.startup_s:.0f} s", file=sys.stderr, flush=True)
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(f"the {spec_label(self.spec.mtp_k)} server for {self.spec.model} exited with "
+                                       f"status {self.proc.returncode} before becoming healthy; log "
+                                       f"{self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(1.0)
+        raise ServerStartError(f"the {spec_label(self.spec.mtp_k)} server for {self.spec.model} was not healthy "
+                               f"after {self.start_timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+
+    def stop(self) -> int | None:
+        """SIGINT, then SIGKILL to the process group if it does not exit within ``stop_timeout_s``."""
+        p, self.proc = self.proc, None
+        if p is None:
+            return None
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # vLLM's engine-core child shares the session; make sure none is left behind
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            return p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def __enter__(self) -> "ManagedServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def served_model_name(base_url: str, timeout: float = 10.0) -> str:
+    """The first model id ``/v1/models`` lists."""
+    with urllib.request.urlopen(api_root(base_url) + "/models", timeout=timeout) as r:
+        data = json.loads(r.read())
+    models = [m["id"] for m in data.get("data", [])]
+    if not models:
+        raise RuntimeError(f"{api_root(base_url)}/models lists no model")
+    return models[0]
+
+
+def api_root(base_url: str) -> str:
+    """``http://host:port/v1`` from ``http://host:port``, ``.../v1`` or ``.../v1/completions``."""
+    url = base_url.rstrip("/")
+    for suffix in ("/completions", "/chat/completions"):
+        if url.endswith("/v1" + suffix):
+            url = url[: -len(suffix)]
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def server_root(base_url: str) -> str:
+    """``http://host:port`` from any of the forms :func:`api_root` accepts."""
+    return api_root(base_url)[: -len("/v1")]

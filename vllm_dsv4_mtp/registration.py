@@ -16,7 +16,7 @@ TARGET_MODELS: dict[str, str] = {
 }
 # ---- issue 4 (MTP draft) registers here: vLLM's speculative config resolves DeepSeek-V4's draft as
 # ---- "DeepSeekV4MTPModel", e.g. DRAFT_MODELS = {"DeepSeekV4MTPModel": "vllm_dsv4_mtp.model.mtp:DeepSeekV4MTPModel"}
-DRAFT_MODELS: dict[str, str] = {}
+DRAFT_MODELS: dict[str, str] = {"DeepSeekV4MTPModel": "vllm_dsv4_mtp.model.mtp:DeepSeekV4MTPModel"}
 
 DISABLE_ENV = "VLLM_DSV4_MTP_DISABLE"
 

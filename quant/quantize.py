@@ -1,0 +1,398 @@
+"""Convert a DeepSeek-V4 checkpoint to Quark OCP MXFP4 routed experts, shard by shard, on CPU.
+
+What happens to each tensor (native names; ``N`` a main layer, ``E`` an expert):
+
+- ``layers.N.ffn.experts.E.w{1,2,3}.weight`` (routed experts):
+  - BF16 / F16 / F32 -> MXFP4 exactly as amd-quark 0.13 quantizes them (:mod:`vllm_dsv4_mtp.formats.mxfp4`):
+    ``.weight`` uint8 ``[out, in/2]`` + ``.weight_scale`` uint8 E8M0 ``[out, in/32]``;
+  - official FP4 (int8 packed ``.weight`` + F8_E8M0 ``.scale`` at 1x32) -> the SAME bytes, stored as uint8
+    ``.weight`` + uint8 ``.weight_scale`` (lossless: no decode, no re-rounding);
+  - FP8 128x128 block (``expert_dtype: fp8`` releases) -> decoded exactly, then MXFP4 as above.
+- ``layers.N.ffn.shared_experts.*``: ``--shared-experts keep`` (default) leaves them as stored (BF16: excluded;
+  FP8: kept, see below); ``mxfp4`` quantizes them like routed experts (the AMD export's fused-shared layout).
+- the MTP layer (``mtp.*``): BF16 by policy, listed in ``exclude``. BF16/F32 tensors are copied; FP8 and FP4
+  weights of an official release are decoded to BF16 (exact: a few significant bits times a power of two)
+  and their scales dropped.
+- FP8 block weights elsewhere (official attention, indexer, ...): bytes kept; the ``.scale`` is renamed
+  ``.weight_scale`` (as Quark's own flow writes kept FP8 layers) and the module gets an FP8 per-block entry in
+  ``layer_quant_config``.
+- everything else: copied byte for byte under its own name.
+
+``config.json`` gets the Quark ``quantization_config`` (:func:`~vllm_dsv4_mtp.formats.quark_config.mxfp4_experts_config`);
+other files (tokenizer, generation config, ...) are copied. Output goes to a temporary directory next to DST
+that is renamed to DST only when complete; an existing DST is replaced only with ``force``.
+Memory: one output shard (at most ``max_shard_bytes``, by default the largest source shard) plus the tensor
+being converted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["QuantizeError", "QuantizeReport", "quantize_checkpoint", "SHARED_EXPERT_MODES"]
+
+SHARED_EXPERT_MODES = ("keep", "mxfp4")
+
+ROUTED_EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+SHARED_EXPERT = re.compile(r"^layers\.\d+\.ffn\.shared_experts\.w[123]\.weight$")
+_FLOAT = ("BF16", "F16", "F32")
+_PACKED_FP4 = ("I8", "U8")
+_E8M0 = ("F8_E8M0", "U8")
+# sibling scale names of "<module>.weight": official release, Quark, DeepSeek-V3-style FP8
+_SCALE_SUFFIXES = (".scale", ".weight_scale", ".weight_scale_inv")
+
+
+class QuantizeError(Exception):
+    """The conversion cannot proceed; the message names the checkpoint file or tensor."""
+
+
+@dataclass
+class QuantizeReport:
+    """What one conversion did."""
+
+    src: str
+    dst: str
+    source_quantization: str  # "none" | "fp8 (official)"
+    quantized: list[str] = field(default_factory=list)  # expert weights quantized to MXFP4 from float
+    reencoded: list[str] = field(default_factory=list)  # official FP4 experts re-encoded losslessly
+    requantized_fp8: list[str] = field(default_factory=list)  # FP8 experts decoded then quantized to MXFP4
+    mtp_dequantized: list[str] = field(default_factory=list)  # MTP weights decoded to BF16
+    fp8_kept: list[str] = field(default_factory=list)  # FP8 modules kept (layer_quant_config entries)
+    copied: int = 0  # tensors copied byte for byte (renamed FP8 scales included)
+    exclude: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    shards_in: int = 0
+    shards_out: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        lines = [
+            f"quantized {self.src} -> {self.dst} in {self.seconds:.1f} s",
+            f"  source quantization: {self.source_quantization}",
+            f"  routed/shared experts -> MXFP4: {len(self.quantized)} quantized from float, "
+            f"{len(self.reencoded)} re-encoded losslessly from official FP4, "
+            f"{len(self.requantized_fp8)} decoded from FP8 and quantized",
+            f"  MTP weights decoded to BF16: {len(self.mtp_dequantized)}; FP8 modules kept: {len(self.fp8_kept)}",
+            f"  copied byte for byte: {self.copied} tensors; exclude lists {len(self.exclude)} modules",
+            f"  {self.bytes_in / 2**20:.1f} MiB in {self.shards_in} shard(s) -> "
+            f"{self.bytes_out / 2**20:.1f} MiB in {self.shards_out} shard(s)",
+        ]
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def _is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """Quark's notion of a linear weight (file2file flow): ``<module>.weight``, 2-D, module not a norm or an
+    embedding. These are the modules Quark lists in ``exclude`` when it leaves them unquantized."""
+    if not name.endswith(".weight") or len(shape) != 2:
+        return False
+    module = name[: -len(".weight")]
+    return not module.endswith("norm") and "embed" not in module
+
+
+def _module(name: str) -> str:
+    return name[: -len(".weight")]
+
+
+def _scale_of(reader, weight_name: str) -> str | None:
+    """The sibling scale tensor of ``<module>.weight`` (``.scale``, ``.weight_scale`` or ``.weight_scale_inv``)."""
+    module = _module(weight_name)
+    found = [module + s for s in _SCALE_SUFFIXES if module + s in reader]
+    if len(found) > 1:
+        raise QuantizeError(f"{reader.info(weight_name).file}: {weight_name} has several scale tensors: {found}")
+    return found[0] if found else None
+
+
+def _scale_owner(reader, name: str) -> str | None:
+    """For a scale tensor, the weight it belongs to (if that weight is stored)."""
+    for s in _SCALE_SUFFIXES:
+        if name.endswith(s):
+            weight = name[: -len(s)] + ".weight"
+            return weight if weight in reader else None
+    return None
+
+
+class _Converter:
+    """One conversion: decides per tensor, writes through a CheckpointWriter."""
+
+    def __init__(self, reader, writer, shared_experts: str, report: QuantizeReport):
+        self.r, self.w, self.shared_experts, self.report = reader, writer, shared_experts, report
+        self.exclude: set[str] = set()
+        self.fp8_layers: dict[str, dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def where(self, name: str) -> str:
+        return f"{self.r.info(name).file}: {name}"
+
+    def load(self, name: str):
+        return self.r.get(name)
+
+    def copy(self, name: str, new_name: str | None = None) -> None:
+        self.w.copy_from(self.r, name, new_name)
+        self.report.copied += 1
+
+    def fp4_pair(self, name: str, scale: str | None) -> bool:
+        """Is ``name`` + ``scale`` an MXFP4 pair (packed bytes ``[out, k/2]`` + E8M0 ``[out, k/32]``)? Checks shapes."""
+        wi = self.r.info(name)
+        if wi.dtype not in _PACKED_FP4:
+            return False
+        if scale is None:
+            raise QuantizeError(f"{self.where(name)}: packed FP4 weight ({wi.dtype}) without a scale tensor "
+                                f"(expected {_module(name)}.scale or .weight_scale)")
+        si = self.r.info(scale)
+        want = (wi.shape[0], wi.shape[1] * 2 // 32) if len(wi.shape) == 2 else None
+        if si.dtype not in _E8M0 or want is None or (wi.shape[1] * 2) % 32 or tuple(si.shape) != want:
+            raise QuantizeError(
+                f"{self.where(name)}: packed FP4 weight {wi.dtype} {list(wi.shape)} needs an E8M0 scale "
+                f"{list(want) if want else '[out, in/32]'} (F8_E8M0 or U8), but {scale} is {si.dtype} "
+                f"{list(si.shape)}")
+        return True
+
+    def fp8_pair(self, name: str, scale: str | None) -> bool:
+        wi = self.r.info(name)
+        if wi.dtype != "F8_E4M3":
+            return False
+        if scale is None:
+            raise QuantizeError(f"{self.where(name)}: FP8 weight without a block scale tensor "
+                                f"(expected {_module(name)}.scale)")
+        from vllm_dsv4_mtp.formats.fp8 import block_scale_shape
+
+        si = self.r.info(scale)
+        want = block_scale_shape(wi.shape)
+        if tuple(si.shape) != want or si.dtype not in ("F8_E8M0", "U8", "F32"):
+            raise QuantizeError(f"{self.where(name)}: FP8 weight {list(wi.shape)} needs a block scale "
+                                f"{list(want)} (F8_E8M0, U8 or F32), but {scale} is {si.dtype} {list(si.shape)}")
+        return True
+
+    def decode(self, name: str, scale: str | None):
+        """The float value of a stored weight: FP8 block or FP4 decoded exactly (float32), float as stored."""
+        import torch
+
+        from vllm_dsv4_mtp.formats import fp8, mxfp4
+
+        if self.fp8_pair(name, scale):
+            return fp8.dequantize_block_fp8(self.load(name), self.load(scale), torch.float32, name=name)
+        if self.fp4_pair(name, scale):
+            return mxfp4.dequantize(self.load(name), self.load(scale), torch.float32)
+        dtype = self.r.info(name).dtype
+        if dtype not in _FLOAT:
+            raise QuantizeError(f"{self.where(name)}: cannot read a {dtype} weight as numbers")
+        return self.load(name)
+
+    # ------------------------------------------------------------------------------------------ actions
+    def to_mxfp4(self, name: str, scale: str | None) -> None:
+        """Routed (or shared) expert -> Quark MXFP4 ``.weight`` + ``.weight_scale`` (uint8)."""
+        from vllm_dsv4_mtp.formats import mxfp4
+
+        module = _module(name)
+        if self.fp4_pair(name, scale):  # official FP4: keep the bytes, Quark names and uint8 containers
+            wi, si = self.r.info(name), self.r.info(scale)
+            self.w.add_raw(name, "U8", wi.shape, self.r.raw_bytes(name))
+            self.w.add_raw(module + ".weight_scale", "U8", si.shape, self.r.raw_bytes(scale))
+            self.report.reencoded.append(name)
+            return
+        from_fp8 = self.fp8_pair(name, scale)
+        value = self.decode(name, scale)
+        try:
+            packed, scales = mxfp4.quantize(value)
+        except (ValueError, TypeError) as e:
+            raise QuantizeError(f"{self.where(name)}: {e}") from None
+        self.w.add(name, packed)
+        self.w.add(module + ".weight_scale", scales)
+        (self.report.requantized_fp8 if from_fp8 else self.report.quantized).append(name)
+
+    def to_bf16(self, name: str, scale: str | None) -> None:
+        """MTP weight: BF16/F32 copied; FP8 / FP4 decoded exactly to BF16 (scale dropped)."""
+        import torch
+
+        if self.r.info(name).dtype in _FLOAT:
+            if scale is not None:
+                raise QuantizeError(f"{self.where(name)}: {self.r.info(name).dtype} weight has a scale tensor "
+                                    f"{scale}; only FP8 and FP4 weights carry scales")
+            self.copy(name)
+            return
+        value = self.decode(name, scale)
+        self.w.add(name, value.to(torch.bfloat16))
+        self.report.mtp_dequantized.append(name)
+
+    def keep_fp8(self, name: str, scale: str) -> None:
+        """FP8 block weight outside the experts: bytes kept, scale renamed ``.weight_scale``, described as FP8."""
+        from vllm_dsv4_mtp.formats.quark_config import fp8_block_layer_config
+
+        module = _module(name)
+        self.copy(name)
+        self.copy(scale, module + ".weight_scale")
+        scale_type = "float32" if self.r.info(scale).dtype == "F32" else "float8_e8m0fnu"
+        self.fp8_layers[module] = fp8_block_layer_config(scale_type)
+        self.report.fp8_kept.append(module)
+
+    # ------------------------------------------------------------------------------------------ dispatch
+    def convert(self, name: str) -> None:
+        info = self.r.info(name)
+        if _scale_owner(self.r, name) is not None:
+            return  # written together with its weight
+        if not name.endswith(".weight"):
+            self.copy(name)
+            return
+        scale = _scale_of(self.r, name)
+        linear = _is_linear_weight(name, info.shape)
+        if name.startswith("mtp."):
+            self.to_bf16(name, scale)
+            if linear:
+                self.exclude.add(_module(name))
+            return
+        if ROUTED_EXPERT.match(name) or (SHARED_EXPERT.match(name) and self.shared_experts == "mxfp4"):
+            self.to_mxfp4(name, scale)
+            return
+        if self.fp8_pair(name, scale):
+            self.keep_fp8(name, scale)
+            return
+        if info.dtype in _PACKED_FP4 and scale is not None:
+            raise QuantizeError(f"{self.where(name)}: packed FP4 storage is only expected for routed experts")
+        if scale is not None:
+            raise QuantizeError(f"{self.where(name)}: {info.dtype} weight has a scale tensor {scale}; only FP8 "
+                                f"(F8_E4M3) and FP4 (I8/U8) weights carry scales")
+        self.copy(name)
+        if linear:
+            self.exclude.add(_module(name))
+
+
+def _preflight(src: Path, allow_missing_mtp: bool) -> list[str]:
+    """Header-only check of SRC against its config.json (dsv4-mtp inspect). Errors stop the conversion."""
+    from vllm_dsv4_mtp.tools.inspect import inspect_checkpoint
+
+    report = inspect_checkpoint(src, allow_quantized_mtp=True)  # an official release's FP8 MTP is expected
+    soft = {"mtp-absent", "no-mtp"} if allow_missing_mtp else set()
+    errors = [p for p in report.errors if p.code not in soft]
+    if errors:
+        shown = "\n  ".join(p.message for p in errors[:20])
+        more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
+        raise QuantizeError(f"{src}: the source checkpoint has {len(errors)} problem(s) "
+                            f"(dsv4-mtp inspect {src}):\n  {shown}{more}")
+    notes = [p for p in report.problems if p.severity == "warning" or p.code in soft]
+    out: list[str] = []
+    mtp_q = [p for p in notes if p.code == "mtp-quantized"]
+    if mtp_q:  # the official release: expected, and handled (decoded to BF16)
+        out.append(f"{src}: {len(mtp_q)} MTP weight(s) stored quantized (e.g. {mtp_q[0].tensor}); "
+                   f"decoded to BF16 in the output")
+    rest = [p for p in notes if p.code != "mtp-quantized"]
+    out += [p.message for p in rest[:10]]
+    if len(rest) > 10:
+        out.append(f"... and {len(rest) - 10} more (dsv4-mtp inspect {src})")
+    return out
+
+
+def _check_paths(src: Path, dst: Path, force: bool) -> None:
+    if not src.is_dir():
+        raise QuantizeError(f"{src}: source checkpoint directory not found")
+    s, d = src.resolve(), dst.resolve()
+    if s == d or s in d.parents or d in s.parents:
+        raise QuantizeError(f"{dst}: the destination must not be the source, inside it, or contain it ({src})")
+    if dst.exists() and not dst.is_dir():
+        raise QuantizeError(f"{dst}: exists and is not a directory")
+    if dst.exists() and any(dst.iterdir()) and not force:
+        raise QuantizeError(f"{dst}: already exists and is not empty; pass --force to replace it")
+
+
+def quantize_checkpoint(src: str | Path, dst: str | Path, *, shared_experts: str = "keep", force: bool = False,
+                        max_shard_bytes: int | None = None, progress: bool = True, check: bool = True,
+                        allow_missing_mtp: bool = False) -> QuantizeReport:
+    """Convert SRC (BF16, or the official FP8/FP4 release) into DST with Quark MXFP4 experts and a BF16 MTP.
+
+    ``shared_experts``: "keep" or "mxfp4". ``force``: replace an existing DST. ``max_shard_bytes``: output
+    shard size (default: the largest source shard). ``check``: run ``dsv4-mtp inspect``'s header checks on SRC
+    first (a missing MTP layer is an error unless ``allow_missing_mtp``). Returns a :class:`QuantizeReport`.
+    """
+    from tqdm import tqdm
+
+    from vllm_dsv4_mtp.config import DeepseekV4Spec
+    from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader, CheckpointWriter, INDEX_FILE
+    from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig, mxfp4_experts_config
+
+    t0 = time.monotonic()
+    if shared_experts not in SHARED_EXPERT_MODES:
+        raise QuantizeError(f"shared_experts must be one of {SHARED_EXPERT_MODES}, got {shared_experts!r}")
+    src, dst = Path(src), Path(dst)
+    _check_paths(src, dst, force)
+    reader = CheckpointReader(src)
+    cfg = reader.config
+    if cfg is None:
+        raise QuantizeError(f"{src / 'config.json'}: missing (needed to validate and to write the Quark config)")
+    spec = DeepseekV4Spec.from_dict(cfg, source=str(src / "config.json"))
+    qc = cfg.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if qc is not None and method != "fp8":
+        raise QuantizeError(
+            f"{src / 'config.json'}: quantization_config.quant_method is {method!r}: "
+            + ("the checkpoint is already Quark-quantized" if method == "quark"
+               else "expected no quantization_config (BF16) or the official 'fp8' release"))
+    report = QuantizeReport(src=str(src), dst=str(dst), source_quantization="fp8 (official)" if qc else "none",
+                            bytes_in=reader.total_bytes, shards_in=len(reader.shards))
+    if check:
+        report.warnings += _preflight(src, allow_missing_mtp)
+    if spec.num_nextn_predict_layers and not any(n.startswith("mtp.") for n in reader):
+        report.warnings.append(f"{src}: config declares {spec.num_nextn_predict_layers} MTP layer(s) but no "
+                               f"mtp.* tensors are stored; the output has no MTP draft either")
+    if max_shard_bytes is None:
+        max_shard_bytes = max(p.stat().st_size for p in reader.shards)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        writer = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes, always_index=reader.index_file is not None)
+        conv = _Converter(reader, writer, shared_experts, report)
+        with writer, tqdm(total=len(reader), unit="tensor", desc="quantize", disable=not progress,
+                          file=sys.stderr) as bar:
+            for shard in reader.shards:
+                bar.set_postfix_str(shard.name)
+                for name in reader.shard_names(shard):
+                    conv.convert(name)
+                    bar.update(1)
+            out_cfg = dict(cfg)
+            out_cfg["quantization_config"] = mxfp4_experts_config(sorted(conv.exclude),
+                                                                  layer_quant_config=conv.fp8_layers)
+            if "expert_dtype" in out_cfg:
+                out_cfg["expert_dtype"] = "fp4"  # the experts are now MXFP4
+            writer.write_config(out_cfg)
+        skip = {"config.json", INDEX_FILE}
+        for f in sorted(src.iterdir()):
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in skip:
+                shutil.copyfile(f, tmp / f.name)
+        # read back: a valid checkpoint whose Quark config parses
+        out = CheckpointReader(tmp)
+        QuarkQuantConfig.from_dict(out.config["quantization_config"], source=str(tmp / "config.json"))
+        report.exclude = sorted(conv.exclude)
+        report.bytes_out, report.shards_out = out.total_bytes, len(out.shards)
+        _publish(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _publish(tmp: Path, dst: Path) -> None:
+    """Move the finished TMP to DST; an existing DST is swapped out first and removed only afterwards."""
+    if not dst.exists():
+        os.replace(tmp, dst)
+        return
+    old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+    os.replace(dst, old)
+    try:
+        os.replace(tmp, dst)
+    except BaseException:
+        os.replace(old, dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,109 @@
+"""`dsv4-mtp bench`: a small concurrency sweep against a real vLLM server on a tiny DeepSeek-V4 (one server for the
+module) producing the markdown table, the PNG plot and the JSON; and the report arithmetic (speedups, step costs).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_dsv4_mtp.evaluate import common
+from vllm_dsv4_mtp.evaluate.bench import BenchRun, LevelResult, build_report, markdown, percentile, write_outputs
+
+DSV4_MTP = str(Path(sys.executable).parent / "dsv4-mtp")
+
+
+def _level(c, e2e, tpot, toks, al=None, pos=None):
+    return LevelResult(concurrency=c, requests=8, failed=0, duration_s=1.0, output_tokens=toks, mean_prompt_tokens=50,
+                       output_tok_s=float(toks), requests_per_s=8.0, e2e_mean_ms=e2e, e2e_p50_ms=e2e, e2e_p90_ms=e2e,
+                       ttft_mean_ms=10.0, tpot_mean_ms=tpot, tpot_p50_ms=tpot, tpot_p90_ms=tpot,
+                       acceptance_length=al, per_position_acceptance=pos)
+
+
+def test_percentile_interpolates():
+    assert percentile([3.0], 90) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([4.0, 1.0, 3.0, 2.0], 90) == pytest.approx(3.7)
+
+
+def test_report_speedup_step_costs_table_and_plot(tmp_path):
+    off = BenchRun("MTP off", "http://127.0.0.1:1", None, [_level(1, 1000.0, 20.0, 400), _level(2, 1200.0, 24.0, 640)])
+    on = BenchRun("MTP K=2", "http://127.0.0.1:2", 2,
+                  [_level(1, 500.0, 10.0, 800, 2.5, [0.9, 0.6]), _level(2, 800.0, 16.0, 960, 2.4, [0.9, 0.5])])
+    rep = build_report([off, on], argv=["--serve"], model="/m/tiny", max_tokens=64, num_fewshot=2)
+    assert rep["speedup"] == [{"concurrency": 1, "e2e": 2.0, "tpot": 2.0, "throughput": 2.0},
+                              {"concurrency": 2, "e2e": 1.5, "tpot": 1.5, "throughput": 1.5}]
+    # one step without MTP = TPOT (20 ms, 1 token); with MTP = TPOT x acceptance length (10 x 2.5 = 25 ms)
+    assert rep["step_costs"] == {"target_step_ms": 20.0, "mtp_step_ms": 25.0, "mtp_step_over_target_step": 1.25,
+                                 "acceptance_length": 2.5, "predicted_tpot_speedup": 2.0}
+    md = markdown(rep)
+    assert "| 1 | 8 | 1000.0 | 500.0 | 2.00 | 20.0 | 10.0 | 400.0 | 800.0 | 2.500 | 0.90 / 0.60 |" in md
+    assert "| Max conc | requests | no MTP e2e (ms) | MTP K=2 e2e (ms) | Speedup |" in md
+    paths = write_outputs(rep, tmp_path)
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(paths["json"].read_text())["speedup"][1]["e2e"] == 1.5
+
+
+def test_bench_refuses_a_non_loopback_server(tmp_path):
+    r = subprocess.run([DSV4_MTP, "bench", "--base-url", "http://10.1.2.3:8000", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "request loops to 127.0.0.1 / localhost only (host '10.1.2.3' is not a loopback address)" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from vllm_dsv4_mtp.evaluate.server import ManagedServer, ServerSpec
+
+    models = common.embedded_models()
+    if models:
+        model = str(models.get("MXFP4") or models["BF16"])
+    else:
+        from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
+
+        model = str(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", experts="mxfp4"))
+    k = 2 if common.mtp_draft_registered() else None
+    srv = ManagedServer(ServerSpec(model=model, mtp_k=k), log_path=tmp_path_factory.mktemp("srv") / "server.log",
+                        start_timeout_s=600)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.engine
+def test_bench_sweep_against_server(server, tmp_path):
+    out = tmp_path / "bench"
+    r = subprocess.run([DSV4_MTP, "bench", "--base-url", server.base_url, "--concurrency", "1,2",
+                        "--num-requests", "3", "--max-tokens", "12", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads((out / "bench.json").read_text())
+    assert rep["machine"]["cores"] >= 1 and rep["max_tokens"] == 12 and rep["temperature"] == 0.0
+    (run,) = rep["runs"]
+    assert run["mtp_k"] == server.spec.mtp_k
+    assert [lv["concurrency"] for lv in run["levels"]] == [1, 2]
+    for lv in run["levels"]:
+        assert lv["requests"] == 3 and lv["failed"] == 0
+        assert lv["output_tokens"] == 3 * 12  # ignore_eos: exactly max_tokens each
+        assert lv["mean_prompt_tokens"] > 20  # 2-shot held-out prompts
+        assert 0 < lv["ttft_mean_ms"] <= lv["e2e_mean_ms"]
+        assert lv["e2e_p50_ms"] <= lv["e2e_p90_ms"]
+        assert 0 < lv["tpot_mean_ms"] < lv["e2e_mean_ms"]
+        assert lv["output_tok_s"] == pytest.approx(lv["output_tokens"] / lv["duration_s"], rel=0.01)
+        if server.spec.mtp_k is None:
+            assert lv["acceptance_length"] is None
+        else:  # from the /metrics deltas around this level only
+            assert lv["drafts"] > 0 and 1.0 <= lv["acceptance_length"] <= 1.0 + server.spec.mtp_k
+            assert len(lv["per_position_acceptance"]) == server.spec.mtp_k
+            assert all(0.0 <= a <= 1.0 for a in lv["per_position_acceptance"])
+    md = (out / "bench.md").read_text()
+    assert md.count("\n| 1 | 3 | 0 |") == 1 and md.count("\n| 2 | 3 | 0 |") == 1
+    assert md in r.stdout
+    import matplotlib.image
+
+    img = matplotlib.image.imread(out / "bench.png")
+    assert img.shape[0] > 200 and img.shape[1] > 600

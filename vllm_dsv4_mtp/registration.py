@@ -43,10 +43,13 @@ def register_models() -> bool:
 
     for arch, ref in {**TARGET_MODELS, **DRAFT_MODELS}.items():
         ModelRegistry.register_model(arch, ref)
+    # registers the "dsv4_mtp_portable" quantization config (claims DeepSeek-V4 Quark/FP8 checkpoints off gfx950)
+    import vllm_dsv4_mtp.kernels.portable_quant  # noqa: F401
     _registered = True
     # a "vllm." logger name so the line goes through vLLM's log handler
     init_logger("vllm.dsv4_mtp").info(
-        "vllm-dsv4-mtp plugin: %s now served by the plugin (set %s=1 to use vLLM's own classes)",
+        "vllm-dsv4-mtp plugin: %s now served by the plugin; DeepSeek-V4 Quark/FP8 checkpoints use its "
+        "portable quantization off gfx950 (set %s=1 to use vLLM's own classes)",
         ", ".join(f"{a} -> {r}" for a, r in {**TARGET_MODELS, **DRAFT_MODELS}.items()), DISABLE_ENV,
     )
     return True

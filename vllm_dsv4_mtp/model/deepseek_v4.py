@@ -68,9 +68,8 @@ def routed_expert_quant(hf_config, layer_prefix: str) -> tuple[str, bool]:
         if kind != "mxfp4":
             raise ValueError(f"config.json:quantization_config: routed experts {name} are '{kind}'; the plugin "
                              "serves BF16 or MXFP4 routed experts")
-        # W4A4 when the experts' activations are dynamic FP4 (the AMD export's global input_tensors spec;
-        # its layer_quant_config overrides only concern mtp.* layers)
-        inputs = (qc.get("global_quant_config") or {}).get("input_tensors") or {}
+        # W4A4 when the matching layer config rounds the experts' inputs to (dynamic) FP4, else weight-only
+        inputs = (quark.layer_config_for(name) or {}).get("input_tensors") or {}
         return "mxfp4", inputs.get("dtype") == "fp4"
     if method == "fp8":
         expert_dtype = getattr(hf_config, "expert_dtype", None)
@@ -170,6 +169,19 @@ class DeepseekV4ForCausalLM(nn.Module):
             "cache_row_width": layers[0].attn.cache.cache_width,
             "mtp_hidden_buffer": None if self.model._mtp_hidden_buffer is None
             else list(self.model._mtp_hidden_buffer.shape),
+        }
+
+    def expert_bytes(self, layer: int, expert: int) -> dict:
+        """The stored MXFP4 bytes of one routed expert, per native shard (``w1``/``w2``/``w3``) (for tests).
+
+        Only for TP=1 portable MXFP4 experts; ``weight`` = packed E2M1, ``weight_scale`` = raw E8M0 bytes.
+        """
+        ex = self.model.layers[layer].ffn.experts
+        i = ex.local_intermediate
+        return {
+            "w1": {"weight": ex.w13_weight[expert, :i].clone(), "weight_scale": ex.w13_weight_scale[expert, :i].clone()},
+            "w3": {"weight": ex.w13_weight[expert, i:].clone(), "weight_scale": ex.w13_weight_scale[expert, i:].clone()},
+            "w2": {"weight": ex.w2_weight[expert].clone(), "weight_scale": ex.w2_weight_scale[expert].clone()},
         }
 
     # ---------------------------------------------------------------------------------------------------

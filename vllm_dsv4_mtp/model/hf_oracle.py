@@ -25,7 +25,7 @@ def dequantized_copy(src: str | Path, dst: str | Path) -> Path:
     reader = CheckpointReader(src)
     names = set(reader.names())
     dst = Path(dst)
-    with CheckpointWriter(dst, max_shard_bytes=2**31) as w:
+    with CheckpointWriter(dst, max_shard_bytes=2**31, overwrite=True) as w:
         for name in sorted(names):
             if name.startswith("mtp.") or name.endswith((".scale", ".weight_scale")):
                 continue
@@ -138,3 +138,35 @@ def greedy_agreement(outputs, prompts: list[list[int]], hf_model, margin: float 
                 else:
                     mismatches += 1
     return {"steps": steps, "mismatches": mismatches, "ties": ties}
+
+
+class W4A4Experts(torch.nn.Module):
+    """An HF ``DeepseekV4Experts`` whose GEMM inputs are rounded to MXFP4 (the Quark W4A4 scheme).
+
+    Holds the HF module's (already dequantized) weights; each expert's input and its SwiGLU output are
+    ``fake_quant``-ed along the reduction dim before the GEMM, and the routing weight multiplies the output of
+    ``w2`` (as vLLM's fused MoE does). Used to give the oracle the same activation rounding as the plugin.
+    """
+
+    def __init__(self, hf_experts):
+        super().__init__()
+        self.inner = hf_experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        from vllm_dsv4_mtp.formats.mxfp4 import fake_quant
+
+        ex = self.inner
+        out = torch.zeros_like(hidden_states)
+        for e in torch.unique(top_k_index).tolist():
+            token, slot = torch.nonzero(top_k_index == e, as_tuple=True)
+            h = ex._apply_gate(torch.nn.functional.linear(fake_quant(hidden_states[token]), ex.gate_up_proj[e]))
+            y = torch.nn.functional.linear(fake_quant(h), ex.down_proj[e])
+            out.index_add_(0, token, y * top_k_weights[token, slot, None].to(y.dtype))
+        return out
+
+
+def with_w4a4_experts(hf_model):
+    """Swap every routed-experts module of an HF DeepSeek-V4 model for :class:`W4A4Experts` (in place)."""
+    for layer in hf_model.model.layers:
+        layer.mlp.experts = W4A4Experts(layer.mlp.experts)
+    return hf_model

@@ -1,0 +1,86 @@
+"""MXFP4 weight-only (W4A16) experts through vLLM's engine equal HF on the exactly dequantized weights.
+
+One ``LLM`` per module, float32. Same tiny MXFP4 checkpoint as ``test_model_engine_mxfp4`` but its Quark config
+declares no activation quantization (``global_quant_config.input_tensors: null``), so the plugin decodes the
+packed E2M1 / E8M0 weights exactly and runs the GEMMs unrounded: the result must equal HF float32 on the
+dequantized BF16 copy up to summation order. Enforced: max |dlogprob| <= 1e-4, 100 % top-1, and greedy decode
+over the paged cache equal to HF's full-sequence argmax.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.engine
+
+MAX_ABS_LOGPROB = 1e-4
+PROMPT_LENS = (5, 130, 300, 520)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
+    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
+
+    d = build_tiny_checkpoint(tmp_path_factory.mktemp("dsv4") / "w4a16", tiny_config(index_n_heads=64), seed=0,
+                              experts="mxfp4")
+    sharpen_routing(d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["global_quant_config"]["input_tensors"] = None  # weight-only
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    return d
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    from vllm import LLM
+
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    engine = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
+                 skip_tokenizer_init=True, seed=0)
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt, tmp_path_factory):
+    from vllm_dsv4_mtp.model.hf_oracle import dequantized_copy, load_hf_model
+
+    return load_hf_model(dequantized_copy(ckpt, tmp_path_factory.mktemp("deq") / "bf16"))
+
+
+def _prompts(lens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 512, (n,), generator=g).tolist() for n in lens]
+
+
+def test_weight_only_mxfp4_equals_hf_on_dequantized_weights(llm, hf):
+    from vllm import SamplingParams
+
+    from vllm_dsv4_mtp.model.hf_oracle import compare_prompt_logprobs
+
+    info = llm.apply_model(operator.methodcaller("describe"))[0]
+    assert info["experts"] == ["portable_mxfp4"] * 4 and info["expert_activation_quant"] == [False] * 4
+    prompts = _prompts(PROMPT_LENS, seed=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False))
+    r = compare_prompt_logprobs(outs, prompts, hf)
+    assert r["max_abs"] <= MAX_ABS_LOGPROB, r
+    assert r["top1"] == 1.0, r
+
+
+def test_weight_only_mxfp4_decode_equals_recompute(llm, hf):
+    from vllm import SamplingParams
+
+    from vllm_dsv4_mtp.model.hf_oracle import greedy_agreement
+
+    prompts = _prompts((9, 140, 260), seed=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=20, temperature=0.0, detokenize=False))
+    r = greedy_agreement(outs, prompts, hf)
+    assert r["steps"] == 60 and r["mismatches"] == 0 and r["ties"] <= 1, r

@@ -156,8 +156,8 @@ def test_special_values_defined_behaviour():
 
 @pytest.fixture(scope="module")
 def quark():
-    """amd-quark's own MXFP4 quantizer, dequantizer and fake-quant (``import quark.torch`` takes ~17 s)."""
-    pytest.importorskip("quark", reason="amd-quark is the oracle; install the `quant` extra")
+    """amd-quark's own MXFP4 quantizer, dequantizer and fake-quant (``import quark.torch`` takes ~17 s).
+    amd-quark (the `quant` extra, which `make setup` installs) is required: a missing oracle fails, never skips."""
     import quark.torch  # noqa: F401  (registers the torch.ops.quark kernels)
     from quark.torch.export.nn.modules.realquantizer import StaticScaledRealQuantizer
     from quark.torch.kernel.hw_emulation.hw_emulation_interface import fake_quantize_mx

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,19 @@ def official_src(work):
 def official_out(official_src, work):
     quantize_checkpoint(official_src, work / "official-mxfp4", progress=False)
     return work / "official-mxfp4"
+
+
+@pytest.fixture(scope="module")
+def quark():
+    """amd-quark, imported once for the module (``import quark.torch`` takes ~17 s).
+    amd-quark (the `quant` extra, which `make setup` installs) is required: a missing oracle fails, never skips."""
+    import quark.torch  # noqa: F401  (registers Quark's torch ops)
+    from quark.torch import LLMTemplate
+    from quark.torch.kernel.hw_emulation.hw_emulation_interface import fake_quantize_mx
+    from quark.torch.quantization.file2file_quantization import _build_exclude_aware_quant_config
+
+    return types.SimpleNamespace(LLMTemplate=LLMTemplate, fake_quantize_mx=fake_quantize_mx,
+                                 build_exclude_aware_quant_config=_build_exclude_aware_quant_config)
 
 
 def _quark_config(path) -> QuarkQuantConfig:
@@ -119,12 +133,9 @@ def test_experts_decode_to_own_fake_quant(bf16_src, bf16_out):
 
 
 @pytest.mark.quark
-def test_experts_decode_to_quark_fake_quant(bf16_src, bf16_out):
+def test_experts_decode_to_quark_fake_quant(quark, bf16_src, bf16_out):
     """The Must-show check: every expert decodes bit for bit to amd-quark's fake-quant of the source."""
-    pytest.importorskip("quark")
-    import quark.torch  # noqa: F401
-    from quark.torch.kernel.hw_emulation.hw_emulation_interface import fake_quantize_mx
-
+    fake_quantize_mx = quark.fake_quantize_mx
     src, out = CheckpointReader(bf16_src), CheckpointReader(bf16_out)
     experts = [n for n in src if ROUTED.match(n)]
     for n in experts:
@@ -134,10 +145,9 @@ def test_experts_decode_to_quark_fake_quant(bf16_src, bf16_out):
 
 
 @pytest.mark.quark
-def test_identical_to_amd_quarks_own_file_to_file_flow(bf16_src, bf16_out, work):
+def test_identical_to_amd_quarks_own_file_to_file_flow(quark, bf16_src, bf16_out, work):
     """quant.quark_flow runs Quark's direct_quantize_checkpoint (CPU works for BF16 sources): same tensors, same
     bytes, same quantization_config, same everything else in config.json."""
-    pytest.importorskip("quark")
     from quant.quark_flow import run_quark_flow
 
     quark_out = run_quark_flow(bf16_src, work / "quark-f2f", device="cpu", shared_experts="keep")
@@ -222,18 +232,14 @@ def test_official_fp8_layers_kept_and_mtp_decoded(official_src, official_out):
 
 
 @pytest.mark.quark
-def test_official_config_matches_quarks_exclude_aware_builder(official_src, official_out):
+def test_official_config_matches_quarks_exclude_aware_builder(quark, official_src, official_out):
     """For the main layers, Quark's own keep-as-in-source config builder gives the same exclude list and the same
     FP8 layer entries; the MTP layer differs by design (Quark keeps it FP8/FP4, we decode it to BF16)."""
-    pytest.importorskip("quark")
-    from quark.torch import LLMTemplate
-    from quark.torch.quantization.file2file_quantization import _build_exclude_aware_quant_config
-
     from quant.quark_flow import quark_exclude
 
-    qc = LLMTemplate.get("deepseek_v4").get_config(scheme="mxfp4", exclude_layers=quark_exclude("keep"))
+    qc = quark.LLMTemplate.get("deepseek_v4").get_config(scheme="mxfp4", exclude_layers=quark_exclude("keep"))
     hf = json.loads((official_src / "config.json").read_text())
-    theirs = _build_exclude_aware_quant_config(str(official_src), qc, hf, True).to_dict()
+    theirs = quark.build_exclude_aware_quant_config(str(official_src), qc, hf, True).to_dict()
     ours = CheckpointReader(official_out).config["quantization_config"]
 
     def main(names):

@@ -144,7 +144,7 @@ def test_not_an_object():
 
 @pytest.fixture(scope="module")
 def quark_config_api():
-    pytest.importorskip("quark", reason="amd-quark is the oracle; install the `quant` extra")
+    """amd-quark's config classes (the `quant` extra, which `make setup` installs; missing = failure, not a skip)."""
     import quark.torch  # noqa: F401
     from quark.torch import LLMTemplate
     from quark.torch.quantization.config.config import QConfig, QLayerConfig

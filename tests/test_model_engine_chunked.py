@@ -1,0 +1,105 @@
+"""Chunked prefill and prefix caching through vLLM's engine, with small compress ratios (C4 + C8).
+
+vLLM's CPU platform treats ``model_type: deepseek_v4`` as MLA and, on CPUs without AMX (this one), forces
+chunked prefill and prefix caching OFF whatever the model's own attention supports. The plugin's portable
+attention supports both, so this module sets vLLM's documented ``VLLM_MLA_DISABLE=1`` (the model does not use
+vLLM's MLA machinery at all), keeps both features on, and checks the engine really used them.
+
+One ``LLM`` per module: float32, ``compress_ratios = [0, 4, 8, 4, 0]`` (SWA, C4 + indexer, C8, C4), block size
+256 (forced by vLLM's CPU platform for this model type), ``max_num_batched_tokens = 64`` so a 450-token prompt
+is prefilled in 8 chunks mixed with other requests' decodes, and prefix caching on.
+Enforced against HF float32 (full-sequence forward, no cache): prompt log-probabilities within 1e-4 with 100 %
+top-1; greedy continuations equal to HF's argmax at every step, on the first (cold) and the second (prefix-cache
+hit) round, which must also produce the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.engine
+
+MAX_ABS_LOGPROB = 1e-4
+RATIOS = [0, 4, 8, 4, 0]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
+    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
+
+    d = build_tiny_checkpoint(tmp_path_factory.mktemp("dsv4") / "c8",
+                              tiny_config(compress_ratios=RATIOS, index_n_heads=64, index_topk=8), seed=1)
+    sharpen_routing(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    from vllm import LLM
+
+    old = os.environ.get("VLLM_MLA_DISABLE")
+    os.environ["VLLM_MLA_DISABLE"] = "1"
+    engine = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
+                 skip_tokenizer_init=True, enable_chunked_prefill=True, max_num_batched_tokens=64,
+                 enable_prefix_caching=True, seed=0)
+    yield engine
+    del engine
+    if old is None:
+        os.environ.pop("VLLM_MLA_DISABLE", None)
+    else:
+        os.environ["VLLM_MLA_DISABLE"] = old
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    from vllm_dsv4_mtp.model.hf_oracle import load_hf_model
+
+    return load_hf_model(ckpt)
+
+
+def _rand(n, g):
+    return torch.randint(2, 512, (n,), generator=g).tolist()
+
+
+def test_engine_keeps_chunked_prefill_and_prefix_caching(llm):
+    cfg = llm.llm_engine.vllm_config
+    assert cfg.scheduler_config.enable_chunked_prefill
+    assert cfg.scheduler_config.max_num_batched_tokens == 64
+    assert cfg.cache_config.enable_prefix_caching
+
+
+def test_chunked_prompt_logprobs_match_hf(llm, hf):
+    from vllm import SamplingParams
+
+    from vllm_dsv4_mtp.model.hf_oracle import compare_prompt_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [_rand(n, g) for n in (450, 9, 200, 61)]  # 450 = 8 chunks of <= 64 tokens
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False))
+    r = compare_prompt_logprobs(outs, prompts, hf)
+    assert r["max_abs"] <= MAX_ABS_LOGPROB, r
+    assert r["top1"] == 1.0, r
+
+
+def test_chunked_decode_and_prefix_cache_hits_equal_recompute(llm, hf):
+    from vllm import SamplingParams
+
+    from vllm_dsv4_mtp.model.hf_oracle import greedy_agreement
+
+    g = torch.Generator().manual_seed(1)
+    shared = _rand(300, g)  # > one 256-token block: the second round reuses it from the prefix cache
+    prompts = [shared + _rand(n, g) for n in (5, 40, 150)] + [_rand(70, g)]
+    sp = SamplingParams(max_tokens=16, temperature=0.0, detokenize=False)
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    second = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    for out in (first, second):
+        r = greedy_agreement(out, prompts, hf)
+        assert r["steps"] == 64 and r["mismatches"] == 0 and r["ties"] <= 1, r
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+    assert all(o.num_cached_tokens >= 256 for o in second[:3])  # the shared block came from the cache
+    assert second[3].num_cached_tokens == 0

@@ -27,7 +27,6 @@ being converted.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil

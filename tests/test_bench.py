@@ -107,3 +107,26 @@ def test_bench_sweep_against_server(server, tmp_path):
 
     img = matplotlib.image.imread(out / "bench.png")
     assert img.shape[0] > 200 and img.shape[1] > 600
+
+
+def test_stepcost_splits_each_decode_step_into_its_parts():
+    from vllm_dsv4_mtp.evaluate.stepcost import explain, summarize
+
+    # one request, MTP K=2: prefill at t=0, then two decode steps of 30 ms each (target 3 tokens, 2 draft calls)
+    recs = [("target", 40, 0.000, 0.010), ("draft", 40, 0.011, 0.013),
+            ("target", 3, 0.020, 0.032), ("target_logits", 3, 0.032, 0.033), ("draft", 3, 0.035, 0.039),
+            ("draft_logits", 1, 0.039, 0.040), ("draft", 1, 0.041, 0.043), ("draft_logits", 1, 0.043, 0.044),
+            ("target", 3, 0.050, 0.062), ("target_logits", 3, 0.062, 0.063), ("draft", 3, 0.065, 0.069),
+            ("draft_logits", 1, 0.069, 0.070), ("draft", 1, 0.071, 0.073), ("draft_logits", 1, 0.073, 0.080)]
+    on = summarize([recs], output_tokens=[6])
+    assert on["decode_steps"] == 2 and on["step_ms"] == pytest.approx(30.0)
+    assert on["tokens_per_step"] == pytest.approx(2.5)  # 6 tokens, the first from the prefill
+    assert on["parts_ms"]["target"] == pytest.approx(12.0) and on["parts_ms"]["draft"] == pytest.approx(6.0)
+    assert on["calls_per_step"]["draft"] == 2 and on["tokens_per_call"]["draft"] == pytest.approx(2.0)
+    assert on["parts_ms"]["other"] == pytest.approx(30.0 - 12.0 - 1.0 - 6.0 - on["parts_ms"]["draft_logits"])
+    off_recs = [("target", 40, 0.0, 0.01), ("target", 1, 0.02, 0.028), ("target", 1, 0.03, 0.038),
+                ("target", 1, 0.04, 0.048), ("target_logits", 1, 0.048, 0.049)]
+    off = summarize([off_recs], output_tokens=[4])
+    assert off["decode_steps"] == 3 and off["step_ms"] == pytest.approx(29.0 / 3, abs=1e-3)
+    ex = explain(off, dict(on, mtp_k=2))
+    assert ex["predicted_speedup"] == pytest.approx(2.5 * off["step_ms"] / 30.0, abs=1e-3)

@@ -231,6 +231,9 @@ def markdown(report: dict) -> str:
                          f"{lv['output_tok_s']:.1f} | {lv['requests_per_s']:.2f} | "
                          f"{_f(lv['acceptance_length'], '{:.3f}')} |")
         lines.append("")
+    bd = report.get("step_breakdown")
+    if bd:
+        lines += step_breakdown_markdown(bd), ""
     sc = report.get("step_costs")
     if sc:
         lines.append(f"Concurrency 1: one engine step without MTP {sc['target_step_ms']:.1f} ms (1 token); with "
@@ -238,6 +241,37 @@ def markdown(report: dict) -> str:
                      f"{sc['acceptance_length']:.2f} tokens on average -> TPOT speedup "
                      f"{sc['predicted_tpot_speedup']:.2f}x.")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def step_breakdown_markdown(bd: dict) -> str:
+    """The table of :mod:`.stepcost`'s measurement: one engine step at concurrency 1, MTP off against MTP K."""
+    off, on = bd["off"], bd["on"]
+    k = on["mtp_k"]
+
+    def cell(run, part):
+        ms = run["parts_ms"].get(part)
+        if ms is None:
+            return "–"
+        if part == "other":
+            return f"{ms:.2f}"
+        calls, toks = run["calls_per_step"][part], run["tokens_per_call"][part]
+        return f"{ms:.2f} ({calls:g} x {toks:.3g})"
+
+    rows = [("target forward", "target"), ("target logits", "target_logits"), ("draft (MTP) forward", "draft"),
+            ("draft logits", "draft_logits"),
+            ("other: scheduling, input preparation, sampling / rejection sampling, outputs", "other")]
+    lines = [f"| one engine step at concurrency 1, ms (calls per step x mean tokens per call) | MTP off | MTP K={k} |",
+             "|---|---:|---:|"]
+    lines += [f"| {name} | {cell(off, part)} | {cell(on, part)} |" for name, part in rows]
+    lines += [f"| **whole step** (target forward start to the next) | **{off['step_ms']:.2f}** | **{on['step_ms']:.2f}** |",
+              f"| tokens per step | {off['tokens_per_step']:.2f} | {on['tokens_per_step']:.2f} |",
+              f"| ms per output token | {off['ms_per_output_token']:.2f} | {on['ms_per_output_token']:.2f} |"]
+    ex = bd["explain"]
+    lines.append(f"\nSpeedup at concurrency 1 = tokens per step x (step off / step on) = {ex['tokens_per_step']:.2f} x "
+                 f"({ex['target_step_off_ms']:.2f} / {ex['mtp_step_ms']:.2f}) = **{ex['predicted_speedup']:.2f}x** "
+                 f"({bd['requests']} requests, {bd['identical_outputs']}/{bd['requests']} outputs identical with and "
+                 "without MTP).")
+    return "\n".join(lines)
 
 
 def plot(report: dict, path: Path) -> Path:
@@ -349,8 +383,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-fewshot", type=int, default=2, help="solved examples before each question (default 2)")
     p.add_argument("--prompts", type=Path, default=None, help="GSM8K-style JSONL (default: the shipped held-out set)")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="directory for bench.json/.md/.png")
+    p.add_argument("--step-costs", action="store_true",
+                   help="with --serve: afterwards, time one engine step's parts at concurrency 1, MTP off vs K\n"
+                        "(python -m vllm_dsv4_mtp.evaluate.stepcost; an in-process LLM with forward hooks)")
     p.set_defaults(func=run)
     return p
+
+
+def run_stepcost(model: str, k: int, max_tokens: int, num_fewshot: int, out: Path) -> dict:
+    """:mod:`.stepcost` in its own process (it runs vLLM engines, one at a time, after the servers are gone)."""
+    import subprocess
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "stepcost.json"
+    argv = [sys.executable, "-m", "vllm_dsv4_mtp.evaluate.stepcost", "--model", model, "--mtp-k", str(k),
+            "--max-tokens", str(max_tokens), "--num-fewshot", str(num_fewshot), "--json", str(path)]
+    print("# " + shlex.join(argv), file=sys.stderr, flush=True)
+    with open(out / "stepcost.log", "w") as log:
+        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise RuntimeError(f"step-cost measurement failed (status {rc}); see {out / 'stepcost.log'}")
+    return json.loads(path.read_text())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -402,6 +455,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsv4-mtp bench: error: {e}", file=sys.stderr)
         return 2
     report = build_report(runs, argv=argv, model=model, max_tokens=args.max_tokens, num_fewshot=args.num_fewshot)
+    if args.step_costs and args.serve and any(r.mtp_k for r in runs):
+        report["step_breakdown"] = run_stepcost(model, args.mtp_k, args.max_tokens, args.num_fewshot, args.out)
     paths = write_outputs(report, args.out)
     print(markdown(report))
     print("# wrote " + ", ".join(str(p) for p in paths.values()))

@@ -1,0 +1,207 @@
+"""Where the time of one engine step goes, MTP off against MTP K, at concurrency 1 (what explains the speedup).
+
+    python -m vllm_dsv4_mtp.evaluate.stepcost --model DIR --mtp-k 2 [--num-problems 8] [--json OUT]
+
+Runs vLLM's ``LLM`` (one engine at a time: MTP off, then MTP K) with the cpu-tiny profile's engine settings, its
+engine core in its own process as in the server (so vLLM's CPU thread binding applies), and times with PyTorch
+forward hooks that this module's functions register in the worker through vLLM's public ``LLM.collective_rpc``
+(functions are sent by reference, hence ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; nothing of vLLM is replaced):
+
+- the target model's forward (one call per engine step: 1 token without MTP, the K+1-token verify window
+  with it) and its logits processor;
+- the draft model's forward (K calls per step: the first over the verify window, then one token each) and
+  its logits processor.
+
+The time from one target forward's start to the next is the whole engine step (scheduler, input
+preparation, sampling / rejection sampling, drafting, output processing); what the hooks do not cover is
+reported as "other". Requests are sent one at a time, greedy, ``ignore_eos``, fixed length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+_RECORDS: list[tuple[str, int, float, float]] = []  # (part, tokens, start, end), in the worker's process
+
+
+def _tokens(args, kwargs) -> int:
+    for v in list(args[:2]) + [kwargs.get("input_ids"), kwargs.get("positions")]:
+        if hasattr(v, "shape") and len(v.shape) >= 1:
+            return int(v.shape[0])
+    return -1
+
+
+def _hook(module, part: str) -> None:
+    starts: list[tuple[float, int]] = []
+
+    def pre(mod, args, kwargs):
+        starts.append((time.perf_counter(), _tokens(args, kwargs)))
+
+    def post(mod, args, kwargs, out):
+        t0, n = starts.pop()
+        _RECORDS.append((part, n, t0, time.perf_counter()))
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post, with_kwargs=True)
+
+
+def install_hooks(worker) -> list[str]:
+    """Run in the worker through ``collective_rpc``: time the target and (if any) draft forwards."""
+    runner = worker.model_runner
+    installed = []
+    target = runner.model
+    _hook(target, "target")
+    _hook(target.logits_processor, "target_logits")
+    installed += ["target", "target_logits"]
+    drafter = getattr(runner, "drafter", None)
+    draft = getattr(drafter, "model", None)
+    if draft is not None:
+        _hook(draft, "draft")
+        installed.append("draft")
+        if draft.logits_processor is not target.logits_processor:
+            _hook(draft.logits_processor, "draft_logits")
+            installed.append("draft_logits")
+    return installed
+
+
+def take_records(worker) -> list[tuple[str, int, float, float]]:
+    out = list(_RECORDS)
+    _RECORDS.clear()
+    return out
+
+
+def summarize(per_request: list[list[tuple[str, int, float, float]]], output_tokens: list[int]) -> dict:
+    """Per decode step (every target forward after a request's first, the prefill): step time, and the time of
+    each part inside it, in ms."""
+    steps: list[float] = []
+    parts: dict[str, list[float]] = defaultdict(list)  # part -> its total time within each decode step
+    calls: dict[str, list[int]] = defaultdict(list)  # part -> calls within each decode step
+    tokens: dict[str, list[int]] = defaultdict(list)  # part -> tokens per call
+    for recs in per_request:
+        recs = sorted(recs, key=lambda r: r[2])
+        starts = [r[2] for r in recs if r[0] == "target"]
+        # decode steps: [start of target forward i, start of target forward i+1), i >= 1 (0 is the prefill);
+        # the last step ends with the request, at the last recorded event
+        bounds = starts[1:] + [max(r[3] for r in recs)]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            steps.append((b - a) * 1e3)
+            inside = [r for r in recs if a <= r[2] < b]
+            for part in ("target", "target_logits", "draft", "draft_logits"):
+                mine = [r for r in inside if r[0] == part]
+                parts[part].append(sum(r[3] - r[2] for r in mine) * 1e3)
+                calls[part].append(len(mine))
+                tokens[part] += [r[1] for r in mine]
+    n_steps = len(steps)
+    out = {"decode_steps": n_steps, "step_ms": round(statistics.fmean(steps), 3),
+           "step_p50_ms": round(statistics.median(steps), 3),
+           "tokens_per_step": round((sum(output_tokens) - len(output_tokens)) / max(n_steps, 1), 3),
+           "parts_ms": {}, "calls_per_step": {}, "tokens_per_call": {}}
+    covered = 0.0
+    for part, xs in parts.items():
+        if not any(calls[part]):
+            continue
+        mean = statistics.fmean(xs)
+        covered += mean
+        out["parts_ms"][part] = round(mean, 3)
+        out["calls_per_step"][part] = round(statistics.fmean(calls[part]), 3)
+        out["tokens_per_call"][part] = round(statistics.fmean(tokens[part]), 3)
+    out["parts_ms"]["other"] = round(out["step_ms"] - covered, 3)
+    out["ms_per_output_token"] = round(out["step_ms"] / out["tokens_per_step"], 3)
+    return out
+
+
+def measure(model: str, mtp_k: int | None, prompts: list[str], max_tokens: int) -> dict:
+    from vllm import LLM, SamplingParams
+
+    # the hook functions must travel by reference (module name), not by value as they would from __main__, so
+    # that the records they keep and the one that hands them back share the worker's module global
+    from vllm_dsv4_mtp.evaluate.stepcost import install_hooks, take_records
+
+    spec = None if mtp_k is None else {"method": "mtp", "num_speculative_tokens": mtp_k}
+    llm = LLM(model=model, dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True,
+              speculative_config=spec, disable_log_stats=False)
+    try:
+        installed = llm.collective_rpc(install_hooks)[0]
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate([prompts[0]], sp, use_tqdm=False)  # warm-up
+        llm.collective_rpc(take_records)
+        per_request, out_tokens, texts = [], [], []
+        for p in prompts:
+            o = llm.generate([p], sp, use_tqdm=False)[0].outputs[0]
+            per_request.append(llm.collective_rpc(take_records)[0])
+            out_tokens.append(len(o.token_ids))
+            texts.append(o.text)
+        res = summarize(per_request, out_tokens)
+        res.update(mtp_k=mtp_k, hooks=installed, requests=len(prompts), output_tokens=sum(out_tokens))
+        return res, texts
+    finally:
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        del llm
+        import gc
+
+        gc.collect()
+
+
+def explain(off: dict, on: dict) -> dict:
+    """The concurrency-1 speedup as step costs: tokens per step x (step off / step on)."""
+    k = on["mtp_k"]
+    t1 = off["parts_ms"].get("target", 0.0)
+    tv = on["parts_ms"].get("target", 0.0)
+    draft = on["parts_ms"].get("draft", 0.0) + on["parts_ms"].get("draft_logits", 0.0)
+    return {
+        "mtp_k": k,
+        "target_step_off_ms": off["step_ms"],
+        "target_forward_1_token_ms": t1,
+        f"target_forward_verify_{k + 1}_tokens_ms": tv,
+        "draft_ms_per_step": round(draft, 3),
+        "draft_forward_ms_per_call": round(on["parts_ms"].get("draft", 0.0) / max(on["calls_per_step"].get("draft", 1), 1e-9), 3),
+        "other_off_ms": off["parts_ms"]["other"],
+        "other_on_ms": on["parts_ms"]["other"],
+        "mtp_step_ms": on["step_ms"],
+        "step_ratio": round(on["step_ms"] / off["step_ms"], 3),
+        "tokens_per_step": on["tokens_per_step"],
+        "predicted_speedup": round(on["tokens_per_step"] * off["step_ms"] / on["step_ms"], 3),
+        "measured_ms_per_token_off": off["ms_per_output_token"],
+        "measured_ms_per_token_on": on["ms_per_output_token"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--mtp-k", type=int, default=2)
+    ap.add_argument("--num-problems", type=int, default=8)
+    ap.add_argument("--num-fewshot", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", default=None, help="write the result here too")
+    args = ap.parse_args(argv)
+    # collective_rpc sends this module's hook functions to the engine-core process (by reference)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from .common import fewshot_examples, load_problems, machine, prompt_for
+
+    shots = fewshot_examples(args.num_fewshot)
+    prompts = [prompt_for(p, shots) for p in load_problems(limit=args.num_problems)]
+    off, off_texts = measure(args.model, None, prompts, args.max_tokens)
+    on, on_texts = measure(args.model, args.mtp_k, prompts, args.max_tokens)
+    result = {"model": args.model, "machine": machine(), "num_fewshot": args.num_fewshot,
+              "max_tokens": args.max_tokens, "off": off, "on": on, "explain": explain(off, on),
+              "identical_outputs": sum(a == b for a, b in zip(off_texts, on_texts)), "requests": len(prompts)}
+    text = json.dumps(result, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -82,6 +82,26 @@ def attention_impl_for_platform(gfx950: bool | None = None) -> str:
     return ROCM_IN_TREE if gfx950 else PORTABLE
 
 
+def make_attention_layer(vllm_config: VllmConfig, *, compress_ratio: int, prefix: str,
+                         topk_indices_buffer: torch.Tensor | None = None) -> nn.Module:
+    """The attention layer of one block, for this platform. Both kinds are called ``attn(positions, x)``.
+
+    * portable: ``vllm_dsv4_mtp.model.attention.DeepseekV4Attention`` over :class:`PagedRowCache`;
+    * rocm_in_tree (gfx950): ``vllm.models.deepseek_v4.amd.rocm.DeepseekV4ROCMAiterMLAAttention(vllm_config,
+      prefix=prefix, topk_indices_buffer=...)``, where ``topk_indices_buffer`` is the model-wide
+      ``[max_num_batched_tokens, index_topk]`` int32 buffer its C4 indexer fills (the caller allocates one per
+      model, as vLLM's in-tree model does). It reads the compress ratio from ``hf_config.compress_ratios``
+      (MTP layers: SWA).
+    """
+    if attention_impl_for_platform() == ROCM_IN_TREE:
+        from vllm.models.deepseek_v4.amd.rocm import DeepseekV4ROCMAiterMLAAttention
+
+        return DeepseekV4ROCMAiterMLAAttention(vllm_config, prefix=prefix, topk_indices_buffer=topk_indices_buffer)
+    from vllm_dsv4_mtp.model.attention import DeepseekV4Attention
+
+    return DeepseekV4Attention(vllm_config, compress_ratio=compress_ratio, prefix=prefix)
+
+
 def layer_row_width(compress_ratio: int, head_dim: int, index_head_dim: int) -> int:
     """Channels of a layer's cache row: ``kv`` + compressor ``[c | z]`` + (C4) indexer ``[c | z]``."""
     width = head_dim
@@ -213,6 +233,13 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
         md = self.metadata()
         if md is None or self.kv_cache.numel() == 0:
             return False
+        self.run(md, rows, out, sequence_fn)
+        return True
+
+    def run(self, md: PortableAttentionMetadata, rows: torch.Tensor, out: torch.Tensor,
+            sequence_fn: SequenceFn) -> None:
+        """The paged part of :meth:`forward` for explicit metadata: write rows, then per request gather
+        positions ``0 .. seq_len-1`` through the block table and fill its slice of ``out``."""
         cache = self.kv_cache  # [num_blocks, 1, block_size, cache_width]
         block_size = cache.shape[2]
         n = md.num_actual_tokens
@@ -230,4 +257,3 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
             blocks = md.block_table[r, pos // block_size].long()
             seq_rows = cache[blocks, 0, pos % block_size, : self.row_width]
             out[start:end] = sequence_fn(seq_rows, slice(start, end))
-        return True

@@ -15,7 +15,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 
-from vllm_dsv4_mtp.model.attention import DeepseekV4Attention
+from vllm_dsv4_mtp.kernels.attention_core import make_attention_layer
 from vllm_dsv4_mtp.model.hyper_connection import HyperConnection
 from vllm_dsv4_mtp.model.moe import DeepseekV4MoE
 
@@ -43,7 +43,9 @@ class DeepseekV4DecoderLayer(nn.Module):
         d, hc, eps = config.hidden_size, config.hc_mult, config.rms_norm_eps
         iters = getattr(config, "hc_sinkhorn_iters", 20)
         hc_eps = getattr(config, "hc_eps", 1e-6)
-        self.attn = DeepseekV4Attention(vllm_config, compress_ratio=compress_ratio, prefix=f"{prefix}.attn")
+        # the attention seam: portable PyTorch attention, or vLLM's in-tree ROCm kernels on gfx950
+        self.attn = make_attention_layer(vllm_config, compress_ratio=compress_ratio, prefix=f"{prefix}.attn",
+                                         topk_indices_buffer=topk_indices_buffer)
         self.ffn = DeepseekV4MoE(config, is_hash=is_hash, expert_format=expert_format, prefix=f"{prefix}.ffn",
                                  activation_quant=activation_quant, quant_config=moe_qc)
         self.attn_norm = RMSNorm(d, eps=eps)

@@ -1,0 +1,64 @@
+"""Plugin registration: vLLM's plugin loader maps DeepseekV4ForCausalLM to the plugin, once, with one INFO
+line; ``VLLM_DSV4_MTP_DISABLE=1`` leaves vLLM's own classes. Each case runs in a fresh interpreter, as vLLM
+runs the entry point in every process it starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = r"""
+import json, os
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging
+configure_logging(LoggingConfig())  # as vLLM's engine / worker processes do before loading plugins
+from vllm.plugins import load_general_plugins
+from vllm import ModelRegistry
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+import vllm_dsv4_mtp.registration as reg
+
+def target():
+    m = ModelRegistry.models["DeepseekV4ForCausalLM"]
+    return f"{m.module_name}:{m.class_name}"
+
+out = {"before": target()}
+load_general_plugins()
+out["after_plugins"] = target()
+out["second_call"] = reg.register_models()
+out["quant"] = "dsv4_mtp_portable" in QUANTIZATION_METHODS
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _run(env_extra: dict[str, str]) -> tuple[dict, str]:
+    env = {**os.environ, **env_extra}
+    p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):]), p.stdout + p.stderr
+
+
+def test_plugin_registers_target_once_with_one_info_line():
+    out, log = _run({"VLLM_DSV4_MTP_DISABLE": "", "VLLM_PLUGINS": "dsv4_mtp"})
+    assert out["before"] == "vllm.models.deepseek_v4:DeepseekV4ForCausalLM"
+    assert out["after_plugins"] == "vllm_dsv4_mtp.model.deepseek_v4:DeepseekV4ForCausalLM"
+    assert out["second_call"] is True and out["quant"] is True
+    assert log.count("vllm-dsv4-mtp plugin:") == 1
+    assert " INFO " in next(ln for ln in log.splitlines() if "vllm-dsv4-mtp plugin:" in ln)
+
+
+def test_disable_env_keeps_vllm_classes():
+    out, log = _run({"VLLM_DSV4_MTP_DISABLE": "1", "VLLM_PLUGINS": "dsv4_mtp"})
+    assert out["after_plugins"] == "vllm.models.deepseek_v4:DeepseekV4ForCausalLM"
+    assert out["second_call"] is False and out["quant"] is False
+    assert "vllm-dsv4-mtp plugin:" not in log
+
+
+def test_registration_module_is_cheap_to_import():
+    """Importing the registration module (what the entry point does first) pulls in neither torch nor vllm."""
+    code = "import sys, vllm_dsv4_mtp, vllm_dsv4_mtp.registration; print(json.dumps(['torch' in sys.modules, 'vllm' in sys.modules]))"
+    p = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == [False, False]

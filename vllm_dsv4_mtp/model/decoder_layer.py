@@ -32,10 +32,12 @@ class DeepseekV4DecoderLayer(nn.Module):
         expert_format: "bf16" | "mxfp4" routed experts (see ``kernels/experts.py``).
         moe_quant_config: the quant config of the routed experts' ``FusedMoE`` (gfx950 path); default
             ``vllm_config.quant_config``. The MTP draft passes None (BF16 by policy).
+        topk_indices_buffer: the model-wide indexer buffer of vLLM's in-tree ROCm attention (gfx950 only).
     """
 
     def __init__(self, vllm_config: VllmConfig, *, compress_ratio: int, is_hash: bool, expert_format: str,
-                 prefix: str, activation_quant: bool = True, moe_quant_config: object = _FROM_VLLM_CONFIG):
+                 prefix: str, activation_quant: bool = True, moe_quant_config: object = _FROM_VLLM_CONFIG,
+                 topk_indices_buffer: torch.Tensor | None = None):
         super().__init__()
         # the MTP draft passes moe_quant_config=None: its experts stay BF16 whatever the target's quant config
         moe_qc = vllm_config.quant_config if moe_quant_config is _FROM_VLLM_CONFIG else moe_quant_config

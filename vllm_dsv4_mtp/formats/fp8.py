@@ -39,9 +39,17 @@ def scale_to_float(scale: torch.Tensor, name: str | None = None) -> torch.Tensor
     raise TypeError(f"{_label(name)}FP8 block scale dtype {scale.dtype} is not E8M0 (uint8/float8_e8m0fnu) or float")
 
 
-def _expand(scale: torch.Tensor, out_f: int, in_f: int, block: int) -> torch.Tensor:
-    """``[ceil(out/b), ceil(in/b)]`` -> ``[out, in]``, each scale repeated over its (possibly partial) block."""
-    return scale.repeat_interleave(block, dim=0)[:out_f].repeat_interleave(block, dim=1)[:, :in_f]
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 ``[out, in]`` -> ``[rows, block, cols, block]``, zero-padded up to whole blocks.
+
+    One padded copy instead of a full-size expanded scale: decoding a large weight (a shard-sized expert or
+    embedding in the quantizer) then needs one float32 temporary, not three.
+    """
+    out_f, in_f = x.shape
+    rows, cols = block_scale_shape(x.shape, block)
+    if (rows * block, cols * block) != (out_f, in_f):
+        x = torch.nn.functional.pad(x, (0, cols * block - in_f, 0, rows * block - out_f))
+    return x.view(rows, block, cols, block)
 
 
 def dequantize_block_fp8(weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
@@ -49,7 +57,8 @@ def dequantize_block_fp8(weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: t
     """``weight_fp8`` float8_e4m3fn ``[out, in]`` x ``scale [ceil(out/128), ceil(in/128)]`` -> ``[out, in]`` in ``dtype``.
 
     ``scale`` is float32 (or bf16/fp16) values, or raw E8M0 bytes (uint8 / float8_e8m0fnu). The product is
-    formed in float32 (exact: 4 significant bits times a power of two, or a float32 scale) and then cast.
+    formed in float32 and then cast: with E8M0 scales it is exact (4 significant bits times a power of two),
+    with a float32 scale it is rounded once to float32.
     ``name`` (the tensor's checkpoint name) is put in every error message.
     """
     if weight_fp8.dtype != torch.float8_e4m3fn:
@@ -64,7 +73,8 @@ def dequantize_block_fp8(weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: t
         )
     s = scale_to_float(scale, name)
     out_f, in_f = weight_fp8.shape
-    return (weight_fp8.to(torch.float32) * _expand(s, out_f, in_f, block)).to(dtype)
+    blocks = _blocks(weight_fp8.to(torch.float32), block).mul_(s[:, None, :, None])
+    return blocks.view(want[0] * block, want[1] * block)[:out_f, :in_f].to(dtype)
 
 
 def quantize_block_fp8(w: torch.Tensor, scale_format: str = "e8m0", *,
@@ -81,11 +91,8 @@ def quantize_block_fp8(w: torch.Tensor, scale_format: str = "e8m0", *,
     if w.ndim != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_block_fp8 needs a 2-D float tensor [out, in], got {w.dtype} {tuple(w.shape)}")
     out_f, in_f = w.shape
-    rows, cols = block_scale_shape(w.shape, block)
-    wf = w.to(torch.float32)
-    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32, device=w.device)
-    padded[:out_f, :in_f] = wf.abs()
-    amax = padded.reshape(rows, block, cols, block).amax(dim=(1, 3)).clamp(min=1e-4)
+    blocks = _blocks(w.to(torch.float32), block)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-4)  # the zero padding never raises a block's amax
     scale = amax / E4M3_MAX
     if scale_format == "e8m0":
         mant, exp = torch.frexp(scale)  # scale = mant * 2**exp, mant in [0.5, 1)
@@ -95,5 +102,6 @@ def quantize_block_fp8(w: torch.Tensor, scale_format: str = "e8m0", *,
         stored = scale_bytes
     else:
         scale_values = stored = scale
-    q = (wf / _expand(scale_values, out_f, in_f, block)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = (blocks / scale_values[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
+    q = q.view(blocks.shape[0] * block, blocks.shape[2] * block)[:out_f, :in_f].to(torch.float8_e4m3fn)
     return q, stored

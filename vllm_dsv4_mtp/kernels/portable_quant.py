@@ -22,7 +22,8 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 NAME = "dsv4_mtp_portable"
-CLAIMED_METHODS = ("quark", "fp8")
+# "deepseek_v4_fp8": vLLM rewrites an official release's "fp8" to this for the DeepseekV4ForCausalLM architecture
+CLAIMED_METHODS = ("quark", "fp8", "deepseek_v4_fp8")
 
 
 def claims(hf_quant_cfg: dict | None, hf_config: Any, *, gfx950: bool) -> bool:

@@ -72,7 +72,7 @@ def routed_expert_quant(hf_config, layer_prefix: str) -> tuple[str, bool]:
         # W4A4 when the matching layer config rounds the experts' inputs to (dynamic) FP4, else weight-only
         inputs = (quark.layer_config_for(name) or {}).get("input_tensors") or {}
         return "mxfp4", inputs.get("dtype") == "fp4"
-    if method == "fp8":
+    if method in ("fp8", "deepseek_v4_fp8"):  # vLLM renames the official "fp8" for this architecture
         expert_dtype = getattr(hf_config, "expert_dtype", None)
         if expert_dtype == "fp4":
             return "mxfp4", False

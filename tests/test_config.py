@@ -212,6 +212,9 @@ _DEL = object()
         ({"layer_types": ["sliding_attention", "compressed_sparse_attention", "sliding_attention",
                           "compressed_sparse_attention"]},
          "x.json: field 'layer_types[2]' = 'sliding_attention' (rate None) disagrees with 'compress_ratios[2]' = 128"),
+        ({"layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                          "compressed_sparse_attention"], "compress_rates": [4, 128]},
+         "x.json: field 'compress_rates' must be an object (layer type -> rate), got [4, 128]"),
     ],
 )
 def test_malformed_config_names_file_and_field(changes, message):

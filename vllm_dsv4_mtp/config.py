@@ -246,6 +246,15 @@ class DeepseekV4Spec:
         return ConfigError(f"{self.source}: {msg}")
 
     def _validate(self, raw: Mapping[str, Any]) -> None:
+        self._validate_ranges()
+        self._validate_architecture()
+        self._validate_schedule()
+        if self.rope_scaling is not None:
+            self._validate_rope_scaling()
+        self._validate_hf_layer_types(raw)
+
+    def _validate_ranges(self) -> None:
+        """Each number on its own: counts and widths > 0, epsilons and thetas > 0."""
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                     "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window",
                     "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok",
@@ -261,6 +270,10 @@ class DeepseekV4Spec:
                 raise self._err(f"field '{name}' must be > 0, got {getattr(self, name)}")
         if self.swiglu_limit < 0:
             raise self._err(f"field 'swiglu_limit' must be >= 0 (0 disables the clamp), got {self.swiglu_limit}")
+
+    def _validate_architecture(self) -> None:
+        """Fields that must agree with each other, and the choices DeepSeek-V4 fixes (one KV head, one shared
+        expert, noaux_tc routing, SiLU, untied head)."""
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim >= self.head_dim:
             raise self._err(f"field 'qk_rope_head_dim' ({self.qk_rope_head_dim}) must be even and smaller than "
                             f"'head_dim' ({self.head_dim}): the rope part is the last qk_rope_head_dim dims of a head")
@@ -292,6 +305,11 @@ class DeepseekV4Spec:
         if self.tie_word_embeddings:
             raise self._err("field 'tie_word_embeddings' must be false: DeepSeek-V4 stores embed.weight and "
                             "head.weight separately")
+        if self.expert_dtype is not None and self.expert_dtype not in ("fp4", "fp8", "bf16"):
+            raise self._err(f"field 'expert_dtype' must be 'fp4', 'fp8' or 'bf16', got {self.expert_dtype!r}")
+
+    def _validate_schedule(self) -> None:
+        """``compress_ratios``: one entry per main layer then per MTP layer; MTP layers are sliding-window only."""
         n_total = self.num_hidden_layers + self.num_nextn_predict_layers
         if len(self.compress_ratios) != n_total:
             raise self._err(
@@ -305,11 +323,6 @@ class DeepseekV4Spec:
             if i >= self.num_hidden_layers and r != 0:
                 raise self._err(f"field 'compress_ratios[{i}]' = {r} belongs to MTP layer "
                                 f"{i - self.num_hidden_layers}, which is sliding-window only: it must be 0")
-        if self.rope_scaling is not None:
-            self._validate_rope_scaling()
-        self._validate_hf_layer_types(raw)
-        if self.expert_dtype is not None and self.expert_dtype not in ("fp4", "fp8", "bf16"):
-            raise self._err(f"field 'expert_dtype' must be 'fp4', 'fp8' or 'bf16', got {self.expert_dtype!r}")
 
     def _validate_rope_scaling(self) -> None:
         rs = self.rope_scaling
@@ -331,7 +344,11 @@ class DeepseekV4Spec:
         if not isinstance(lt, list) or len(lt) != self.num_hidden_layers:
             raise self._err(f"field 'layer_types' must be a list of {self.num_hidden_layers} names (one per main "
                             f"layer), got {lt!r}")
-        rates = raw.get("compress_rates") or {LAYER_TYPE_NAMES["overlap"]: 4, LAYER_TYPE_NAMES["dense"]: 128}
+        rates = raw.get("compress_rates")
+        if rates is None:  # HF's default rates
+            rates = {LAYER_TYPE_NAMES["overlap"]: 4, LAYER_TYPE_NAMES["dense"]: 128}
+        elif not isinstance(rates, Mapping):
+            raise self._err(f"field 'compress_rates' must be an object (layer type -> rate), got {rates!r}")
         for i, name in enumerate(lt):
             want = self.hf_layer_type(i)
             r = self.compress_ratios[i]

@@ -106,8 +106,8 @@ def e8m0_scale_even(amax: torch.Tensor) -> torch.Tensor:
     """Block amax ``[...]`` (float, >= 0 or NaN) -> E8M0 scale byte ``[...]`` uint8 by Quark's "even" rule.
 
     ``byte = clamp(E - 2, 0, 252)`` with ``E`` the biased float32 exponent of ``bits(amax) + 2**21``: an amax
-    whose significand is >= 1.75 moves up one binade. If that reaches inf (``E == 255``) the byte is 254. Zero amax -> :data:`E8M0_ZERO_BLOCK`;
-    NaN -> 255.
+    whose significand is >= 1.75 moves up one binade. If that reaches inf (``E == 255``) the byte is 254.
+    Zero amax -> :data:`E8M0_ZERO_BLOCK`; NaN -> 255.
     """
     a = amax.to(torch.float32)
     bits = a.view(torch.int32).to(torch.int64)  # int64: NaN bit patterns + 2**21 must not wrap

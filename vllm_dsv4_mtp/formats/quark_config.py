@@ -243,25 +243,28 @@ class QuarkQuantConfig:
         ``layer_type_quant_config`` is keyed by module class, which a checkpoint name does not carry; it is
         validated but not consulted here. Excluded names still get their config; see :meth:`spec_for`.
         """
+        return self._layer_entry(native_name)[1]
+
+    def _layer_entry(self, native_name: str) -> tuple[str, dict[str, Any] | None]:
+        """``(field path for messages, LAYER config)`` of :meth:`layer_config_for`."""
         mod = module_name(native_name)
         for pattern, cfg in self.layer_quant_config.items():
             if pattern_matches(pattern, mod) or pattern_matches(pattern, native_name):
-                return cfg
-        return self.global_quant_config
+                return f"layer_quant_config[{pattern!r}]", cfg
+        return "global_quant_config", self.global_quant_config
 
     def spec_for(self, native_name: str) -> str | None:
         """Storage precision Quark declares for a module: "mxfp4" | "fp8-block" | None (unquantized/excluded)."""
         if self.is_excluded(native_name):
             return None
-        cfg = self.layer_config_for(native_name)
+        path, cfg = self._layer_entry(native_name)
         if cfg is None:
             return None
-        which = next((k for k, v in self.layer_quant_config.items() if v is cfg), None)
-        path = f"layer_quant_config[{which!r}].weight" if which is not None else "global_quant_config.weight"
         try:
             return classify_weight_spec(cfg.get("weight"))
         except ValueError as e:
-            raise QuarkConfigError(f"{self.source}: quantization_config.{path} (for {native_name}): {e}") from None
+            raise QuarkConfigError(
+                f"{self.source}: quantization_config.{path}.weight (for {native_name}): {e}") from None
 
 
 def _or_default(d: Mapping[str, Any], key: str, default: Any) -> Any:

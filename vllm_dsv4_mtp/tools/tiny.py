@@ -181,9 +181,7 @@ def _layer_storage(slot, experts: str, linears: str, shared_experts: str) -> str
     if slot.kind == "routed_experts":
         return experts
     if slot.kind == "shared_experts":
-        if shared_experts == "mxfp4":
-            return "bf16" if slot.is_mtp else "mxfp4"
-        return "fp8-block" if shared_experts == "fp8" else "bf16"
+        return {"mxfp4": "mxfp4", "fp8": "fp8-block"}.get(shared_experts, "bf16")
     return "fp8-block" if linears == "fp8" else "bf16"
 
 

@@ -101,6 +101,7 @@ def ckpts(tmp_path_factory):
         "bf16": {},
         "mxfp4": {"experts": "mxfp4"},
         "official": {"experts": "fp4-official", "linears": "fp8"},
+        "fse": {"experts": "mxfp4", "shared_experts": "mxfp4"},
     }.items()}
 
 
@@ -189,3 +190,25 @@ def test_mtp_tensors_are_skipped_on_purpose(dist, ckpts):
     assert any(n.startswith("mtp.0.") for n in tensors)
     tensors["mtp.0.bogus"] = torch.zeros(1)  # even nonsense under mtp.* belongs to the draft, not the target
     model.load_weights(tensors.items())
+
+
+def test_mxfp4_shared_experts_fse_layout(dist, ckpts):
+    """The AMD export's main-layer shared experts are MXFP4 (packed + E8M0): loaded as raw bytes and computed by
+    the same emulation as the routed experts (weight-only here: exact decode, then the SwiGLU expert)."""
+    from vllm_dsv4_mtp.formats import mxfp4
+    from vllm_dsv4_mtp.kernels.experts import swiglu_clamped
+
+    model = _build(ckpts["fse"], dtype="bfloat16")
+    tensors = _tensors(ckpts["fse"])
+    assert tensors["layers.1.ffn.shared_experts.w2.weight"].dtype == torch.uint8
+    model.load_weights(tensors.items())
+    assert model.describe()["shared_experts"] == ["mxfp4"] * 4
+    shared = model.model.layers[1].ffn.shared_experts
+    assert torch.equal(shared.experts.w2_weight_scale[0], tensors["layers.1.ffn.shared_experts.w2.weight_scale"])
+    shared.experts.activation_quant = False
+    x = torch.randn(6, 128, dtype=torch.bfloat16)
+    dq = {s: mxfp4.dequantize(tensors[f"layers.1.ffn.shared_experts.{s}.weight"],
+                              tensors[f"layers.1.ffn.shared_experts.{s}.weight_scale"]).bfloat16()
+          for s in ("w1", "w2", "w3")}
+    want = swiglu_clamped(x @ dq["w1"].T, x @ dq["w3"].T, 10.0) @ dq["w2"].T
+    torch.testing.assert_close(shared(x), want, atol=0, rtol=0)

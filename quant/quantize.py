@@ -196,8 +196,8 @@ class _Converter:
         module = _module(name)
         if self.fp4_pair(name, scale):  # official FP4: keep the bytes, Quark names and uint8 containers
             wi, si = self.r.info(name), self.r.info(scale)
-            self.w.add_raw(name, "U8", wi.shape, self.r.raw_bytes(name))
-            self.w.add_raw(module + ".weight_scale", "U8", si.shape, self.r.raw_bytes(scale))
+            self.w.add_raw(name, "U8", wi.shape, self.r.raw_buffer(name))
+            self.w.add_raw(module + ".weight_scale", "U8", si.shape, self.r.raw_buffer(scale))
             self.report.reencoded.append(name)
             return
         from_fp8 = self.fp8_pair(name, scale)

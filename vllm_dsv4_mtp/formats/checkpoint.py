@@ -3,7 +3,7 @@
 :class:`CheckpointReader` lists every tensor (name, dtype, shape, shard, byte range) from the safetensors
 headers alone, without touching the data; loads one tensor (:meth:`~CheckpointReader.get`), one shard at a time
 (:meth:`~CheckpointReader.iter_shards`) or the raw bytes of a tensor for byte-for-byte copies
-(:meth:`~CheckpointReader.raw_bytes`). A malformed checkpoint is an error naming the file: a shard the index
+(:meth:`~CheckpointReader.raw_buffer`). A malformed checkpoint is an error naming the file: a shard the index
 lists but that is missing, an index entry whose shard does not hold the tensor, a tensor stored twice, a
 truncated header.
 
@@ -262,12 +262,18 @@ class CheckpointReader:
             return f.get_tensor(name)
 
     def raw_bytes(self, name: str) -> bytes:
-        """The stored bytes of one tensor, exactly (for byte-for-byte copies)."""
+        """The stored bytes of one tensor, exactly (for comparisons; copies use :meth:`raw_buffer`)."""
+        return bytes(self.raw_buffer(name))
+
+    def raw_buffer(self, name: str) -> bytearray:
+        """The stored bytes of one tensor in a fresh writable buffer, read once: ``torch.frombuffer`` can view
+        it without another copy, so a byte-for-byte copy holds the tensor in memory once."""
         info = self.info(name)
+        data = bytearray(info.nbytes)
         with open(info.file, "rb") as f:
             f.seek(info.begin)
-            data = f.read(info.nbytes)
-        if len(data) != info.nbytes:
+            n = f.readinto(data)
+        if n != info.nbytes:
             raise CheckpointError(f"{info.file}: truncated data for tensor '{name}'")
         return data
 
@@ -373,21 +379,25 @@ class CheckpointWriter:
         self._buf_bytes += nbytes
         self._total += nbytes
 
-    def add_raw(self, name: str, dtype: str, shape: tuple[int, ...] | list[int], data: bytes) -> None:
-        """Queue a tensor given as raw stored bytes (``CheckpointReader.raw_bytes``): copied byte for byte."""
+    def add_raw(self, name: str, dtype: str, shape: tuple[int, ...] | list[int], data: bytes | bytearray) -> None:
+        """Queue a tensor given as raw stored bytes (``CheckpointReader.raw_buffer``): copied byte for byte.
+
+        A ``bytearray`` is used in place (the writer keeps a view of it); ``bytes`` are copied once.
+        """
         import torch
 
+        buf = data if isinstance(data, bytearray) else bytearray(data)
         if dtype == "F4":  # shape counts fp4 elements; torch's float4_e2m1fn_x2 counts bytes
-            t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+            t = torch.frombuffer(buf, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
             t = t.reshape(*shape[:-1], shape[-1] // 2)
         else:
-            t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(_torch_dtype(dtype)).reshape(tuple(shape))
+            t = torch.frombuffer(buf, dtype=torch.uint8).view(_torch_dtype(dtype)).reshape(tuple(shape))
         self.add(name, t)
 
     def copy_from(self, reader: CheckpointReader, name: str, new_name: str | None = None) -> None:
         """Copy one tensor from another checkpoint byte for byte."""
         info = reader.info(name)
-        self.add_raw(new_name or name, info.dtype, info.shape, reader.raw_bytes(name))
+        self.add_raw(new_name or name, info.dtype, info.shape, reader.raw_buffer(name))
 
     def _flush(self) -> None:
         from safetensors.torch import save_file

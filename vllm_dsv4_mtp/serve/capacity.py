@@ -29,6 +29,7 @@ by their row bytes per token relative to it.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -201,7 +202,16 @@ def load_weight_table(model: str) -> WeightTable | None:
         cfg = json.loads((path / "config.json").read_text())
         return weight_table(spec, storage=_storage_from_config(cfg),
                             source=f"{path / 'config.json'} (no weights: layout from its quantization_config)")
-    known = KNOWN_CHECKPOINTS.get(model)
+    return _known_weight_table(model)
+
+
+@functools.lru_cache(maxsize=None)
+def _known_weight_table(repo_id: str) -> WeightTable | None:
+    """The table of a published checkpoint, built once per process (~1 s for Pro's 70k tensors); the cached
+    table is shared, and nothing mutates a table after :func:`weight_table` returns it."""
+    from vllm_dsv4_mtp.config import DeepseekV4Spec
+
+    known = KNOWN_CHECKPOINTS.get(repo_id)
     if known is None:
         return None
     spec = DeepseekV4Spec.from_dict(known.config, source=f"{known.repo_id} (known config)")

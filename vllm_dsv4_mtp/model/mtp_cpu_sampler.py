@@ -38,8 +38,11 @@ def expand_kernel_impl(output: torch.Tensor, input_val: torch.Tensor, cu_num_tok
 def _expand_is_correct() -> bool:
     from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
 
-    got = expand_batch_to_tokens(torch.tensor([0.5, 0.0, 2.0]), torch.tensor([1, 3, 4]), 4,
-                                 replace_from=0, replace_to=1)
+    try:
+        got = expand_batch_to_tokens(torch.tensor([0.5, 0.0, 2.0]), torch.tensor([1, 3, 4]), 4,
+                                     replace_from=0, replace_to=1)
+    except Exception:  # no launchable kernel at all (a process where vLLM registered no CPU overrides)
+        return False
     return torch.equal(got, torch.tensor([0.5, 1.0, 1.0, 2.0]))
 
 

@@ -98,7 +98,7 @@ def declared_mtp_precisions(quantization_config: Mapping[str, Any] | None, exper
             kind = quark.spec_for(m)
             if kind is not None:
                 out[m] = kind
-    elif method == "fp8":
+    elif method in ("fp8", "deepseek_v4_fp8"):  # vLLM renames the release's "fp8" for DeepSeek-V4
         # the official release: every linear of the MTP layer is FP8-block, routed experts FP4 (expert_dtype)
         for m in mtp_linears:
             is_routed = ".ffn.experts." in m

@@ -368,6 +368,7 @@ class _Inspector:
                              f"MTP layer, or allow it explicitly)", sev)
 
     def check_quant_config(self, slots: dict[str, WeightSlot]) -> None:
+        """Does config.json's ``quantization_config`` describe what is stored? (none / official fp8 / Quark)"""
         rep = self.report
         qc = self.spec.quantization_config
         quantized = {n: p for n, p in self.stored_precision.items() if p in _QUANTIZED}
@@ -379,22 +380,32 @@ class _Inspector:
             return
         method = qc.get("quant_method")
         if method == "fp8":
-            rep.quantization = "fp8 (official block FP8)"
-            for name, p in quantized.items():
-                if p == "mxfp4":
-                    self.problem("quant-config", name, f"{name}: stored mxfp4 (Quark layout) but "
-                                 f"quantization_config.quant_method is 'fp8', not 'quark'")
-                elif p == "fp4-official" and self.spec.expert_dtype != "fp4":
-                    self.problem("quant-config", name, f"{name}: stored fp4-official but config.json "
-                                 f"expert_dtype is {self.spec.expert_dtype!r}, not 'fp4'")
-            return
-        if method != "quark":
+            self.check_fp8_config(quantized)
+        elif method == "quark":
+            self.check_quark_config(qc, quantized, slots)
+        else:
             rep.quantization = f"unsupported ({method!r})"
             self.problem("quant-config", None, f"config.json: quantization_config.quant_method {method!r} is not "
                          f"supported (expected 'quark' or 'fp8')")
-            return
+
+    def check_fp8_config(self, quantized: dict[str, str]) -> None:
+        """The official release's ``quant_method: fp8``: FP8 blocks, plus official FP4 experts when
+        ``expert_dtype`` is "fp4"; never the Quark MXFP4 layout."""
+        self.report.quantization = "fp8 (official block FP8)"
+        for name, p in quantized.items():
+            if p == "mxfp4":
+                self.problem("quant-config", name, f"{name}: stored mxfp4 (Quark layout) but "
+                             f"quantization_config.quant_method is 'fp8', not 'quark'")
+            elif p == "fp4-official" and self.spec.expert_dtype != "fp4":
+                self.problem("quant-config", name, f"{name}: stored fp4-official but config.json "
+                             f"expert_dtype is {self.spec.expert_dtype!r}, not 'fp4'")
+
+    def check_quark_config(self, qc: dict[str, Any], quantized: dict[str, str],
+                           slots: dict[str, WeightSlot]) -> None:
+        """Every stored linear (embedding and head aside) against the precision the Quark config declares."""
         from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig
 
+        rep = self.report
         try:
             q = QuarkQuantConfig.from_dict(qc, source=str(self.r.path / "config.json"))
         except ValueError as e:
@@ -409,30 +420,16 @@ class _Inspector:
             if slot.kind == "embed_head":
                 continue  # embedding and LM head are not Quark-quantized linears
             module = slot.module
-            stored = self.stored_precision.get(name, "bf16")
             excluded = q.is_excluded(module)
             try:
                 wanted = None if excluded else q.spec_for(module)
             except ValueError as e:  # a scheme the project cannot serve: one message per distinct cause
-                if str(e) not in self.report.messages():
+                if str(e) not in rep.messages():
                     self.problem("quant-config", name, str(e))
                 continue
-            if stored in _QUANTIZED:
-                if stored == "fp4-official":
-                    self.problem("quant-config", name, f"{name}: stored in the official FP4 layout (int8 + "
-                                 f".scale) under a Quark quantization_config")
-                elif excluded:
-                    self.problem("quant-config", name, f"{name}: stored {stored} but quantization_config "
-                                 f"excludes '{module}'")
-                elif wanted is None:
-                    self.problem("quant-config", name, f"{name}: stored {stored} but no quantization_config "
-                                 f"spec covers '{module}'")
-                elif wanted != stored:
-                    self.problem("quant-config", name, f"{name}: stored {stored} but quantization_config says "
-                                 f"{wanted} for '{module}'")
-            elif wanted is not None:
-                self.problem("quant-config", name, f"{name}: stored {stored} but quantization_config quantizes "
-                             f"'{module}' as {wanted} (it is not in exclude)")
+            message = _quark_mismatch(name, module, self.stored_precision.get(name, "bf16"), excluded, wanted)
+            if message:
+                self.problem("quant-config", name, message)
 
     def unexpected_reason(self, name: str) -> str:
         spec = self.spec
@@ -467,6 +464,24 @@ class _Inspector:
         if rest.endswith((".scale", ".weight_scale")) and not rest.endswith("hc_head_scale"):
             return "a scale for a weight that is not stored quantized"
         return "not part of the DeepSeek-V4 layout"
+
+
+def _quark_mismatch(name: str, module: str, stored: str, excluded: bool, wanted: str | None) -> str | None:
+    """Why a tensor stored in precision ``stored`` contradicts its Quark entry (None when they agree)."""
+    if stored not in _QUANTIZED:
+        if wanted is None:
+            return None
+        return (f"{name}: stored {stored} but quantization_config quantizes '{module}' as {wanted} "
+                f"(it is not in exclude)")
+    if stored == "fp4-official":
+        return f"{name}: stored in the official FP4 layout (int8 + .scale) under a Quark quantization_config"
+    if excluded:
+        return f"{name}: stored {stored} but quantization_config excludes '{module}'"
+    if wanted is None:
+        return f"{name}: stored {stored} but no quantization_config spec covers '{module}'"
+    if wanted != stored:
+        return f"{name}: stored {stored} but quantization_config says {wanted} for '{module}'"
+    return None
 
 
 def inspect_checkpoint(path: str | Path, *, allow_quantized_mtp: bool = False) -> InspectReport:

@@ -130,3 +130,19 @@ def test_stepcost_splits_each_decode_step_into_its_parts():
     assert off["decode_steps"] == 3 and off["step_ms"] == pytest.approx(29.0 / 3, abs=1e-3)
     ex = explain(off, dict(on, mtp_k=2))
     assert ex["predicted_speedup"] == pytest.approx(2.5 * off["step_ms"] / 30.0, abs=1e-3)
+
+
+def test_stepcost_drops_the_slowest_steps_whole():
+    from vllm_dsv4_mtp.evaluate.stepcost import summarize
+
+    recs, t = [("target", 30, 0.0, 0.005)], 0.01
+    for i in range(10):  # ten 10 ms decode steps (8 ms target), the 6th interrupted for 100 ms
+        dur = 0.100 if i == 5 else 0.010
+        recs.append(("target", 1, t, t + 0.008))
+        t += dur
+    recs.append(("target_logits", 1, t - 0.001, t))  # marks the end of the last step
+    s = summarize([recs], output_tokens=[11])
+    assert (s["decode_steps"], s["steps_kept"]) == (10, 9)
+    assert s["step_ms"] == pytest.approx(10.0, abs=1e-3) and s["step_mean_all_ms"] == pytest.approx(19.0, abs=1e-3)
+    assert s["parts_ms"]["target"] == pytest.approx(8.0, abs=1e-3)
+    assert s["tokens_per_step"] == pytest.approx(1.0)

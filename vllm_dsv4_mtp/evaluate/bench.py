@@ -236,7 +236,7 @@ def markdown(report: dict) -> str:
         lines += step_breakdown_markdown(bd), ""
     sc = report.get("step_costs")
     if sc:
-        lines.append(f"Concurrency 1: one engine step without MTP {sc['target_step_ms']:.1f} ms (1 token); with "
+        lines.append(f"From the server's TPOT at concurrency 1: one engine step without MTP {sc['target_step_ms']:.1f} ms (1 token); with "
                      f"MTP {sc['mtp_step_ms']:.1f} ms ({sc['mtp_step_over_target_step']:.2f}x) for "
                      f"{sc['acceptance_length']:.2f} tokens on average -> TPOT speedup "
                      f"{sc['predicted_tpot_speedup']:.2f}x.")
@@ -267,6 +267,8 @@ def step_breakdown_markdown(bd: dict) -> str:
               f"| tokens per step | {off['tokens_per_step']:.2f} | {on['tokens_per_step']:.2f} |",
               f"| ms per output token | {off['ms_per_output_token']:.2f} | {on['ms_per_output_token']:.2f} |"]
     ex = bd["explain"]
+    lines.append(f"\n(mean over decode steps; the slowest 10 % of steps of each run, interference from other processes, "
+                 f"dropped whole: {off['steps_kept']}/{off['decode_steps']} and {on['steps_kept']}/{on['decode_steps']} kept)")
     lines.append(f"\nSpeedup at concurrency 1 = tokens per step x (step off / step on) = {ex['tokens_per_step']:.2f} x "
                  f"({ex['target_step_off_ms']:.2f} / {ex['mtp_step_ms']:.2f}) = **{ex['predicted_speedup']:.2f}x** "
                  f"({bd['requests']} requests, {bd['identical_outputs']}/{bd['requests']} outputs identical with and "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -76,13 +77,17 @@ def take_records(worker) -> list[tuple[str, int, float, float]]:
     return out
 
 
-def summarize(per_request: list[list[tuple[str, int, float, float]]], output_tokens: list[int]) -> dict:
+PARTS = ("target", "target_logits", "draft", "draft_logits")
+
+
+def summarize(per_request: list[list[tuple[str, int, float, float]]], output_tokens: list[int],
+              keep_quantile: float = 0.9) -> dict:
     """Per decode step (every target forward after a request's first, the prefill): step time, and the time of
-    each part inside it, in ms."""
-    steps: list[float] = []
-    parts: dict[str, list[float]] = defaultdict(list)  # part -> its total time within each decode step
-    calls: dict[str, list[int]] = defaultdict(list)  # part -> calls within each decode step
-    tokens: dict[str, list[int]] = defaultdict(list)  # part -> tokens per call
+    each part inside it, in ms, averaged over the decode steps no slower than the ``keep_quantile`` quantile
+    of step time (on a shared machine the slowest steps are other processes' interference, not the model;
+    dropping whole steps keeps parts + other = step exactly). ``tokens_per_step`` counts every decode step."""
+    steps: list[dict] = []  # {"step": ms, part: ms, part + "_calls": n}
+    tokens: dict[str, list[int]] = defaultdict(list)  # part -> tokens per call (all steps)
     for recs in per_request:
         recs = sorted(recs, key=lambda r: r[2])
         starts = [r[2] for r in recs if r[0] == "target"]
@@ -90,29 +95,36 @@ def summarize(per_request: list[list[tuple[str, int, float, float]]], output_tok
         # the last step ends with the request, at the last recorded event
         bounds = starts[1:] + [max(r[3] for r in recs)]
         for a, b in zip(bounds[:-1], bounds[1:]):
-            steps.append((b - a) * 1e3)
+            st = {"step": (b - a) * 1e3}
             inside = [r for r in recs if a <= r[2] < b]
-            for part in ("target", "target_logits", "draft", "draft_logits"):
+            for part in PARTS:
                 mine = [r for r in inside if r[0] == part]
-                parts[part].append(sum(r[3] - r[2] for r in mine) * 1e3)
-                calls[part].append(len(mine))
+                st[part] = sum(r[3] - r[2] for r in mine) * 1e3
+                st[part + "_calls"] = len(mine)
                 tokens[part] += [r[1] for r in mine]
+            steps.append(st)
     n_steps = len(steps)
-    out = {"decode_steps": n_steps, "step_ms": round(statistics.fmean(steps), 3),
-           "step_p50_ms": round(statistics.median(steps), 3),
-           "tokens_per_step": round((sum(output_tokens) - len(output_tokens)) / max(n_steps, 1), 3),
-           "parts_ms": {}, "calls_per_step": {}, "tokens_per_call": {}}
+    if not n_steps:
+        raise ValueError("no decode step recorded (were the hooks installed, and max_tokens > 1?)")
+    all_ms = sorted(st["step"] for st in steps)
+    cut = all_ms[max(0, math.ceil(keep_quantile * n_steps) - 1)]
+    kept = [st for st in steps if st["step"] <= cut]
+    step_ms = statistics.fmean(st["step"] for st in kept)
+    tokens_per_step = (sum(output_tokens) - len(output_tokens)) / n_steps
+    out = {"decode_steps": n_steps, "steps_kept": len(kept), "step_ms": round(step_ms, 3),
+           "step_mean_all_ms": round(statistics.fmean(all_ms), 3), "step_p50_ms": round(statistics.median(all_ms), 3),
+           "tokens_per_step": round(tokens_per_step, 3), "parts_ms": {}, "calls_per_step": {}, "tokens_per_call": {}}
     covered = 0.0
-    for part, xs in parts.items():
-        if not any(calls[part]):
+    for part in PARTS:
+        if not tokens[part]:
             continue
-        mean = statistics.fmean(xs)
+        mean = statistics.fmean(st[part] for st in kept)
         covered += mean
         out["parts_ms"][part] = round(mean, 3)
-        out["calls_per_step"][part] = round(statistics.fmean(calls[part]), 3)
+        out["calls_per_step"][part] = round(statistics.fmean(st[part + "_calls"] for st in steps), 3)
         out["tokens_per_call"][part] = round(statistics.fmean(tokens[part]), 3)
-    out["parts_ms"]["other"] = round(out["step_ms"] - covered, 3)
-    out["ms_per_output_token"] = round(out["step_ms"] / out["tokens_per_step"], 3)
+    out["parts_ms"]["other"] = round(step_ms - covered, 3)
+    out["ms_per_output_token"] = round(step_ms / tokens_per_step, 3)
     return out
 
 

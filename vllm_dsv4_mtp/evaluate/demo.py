@@ -66,6 +66,7 @@ def ask_all(base_url: str, model: str, problems: list[dict], prompts: list[str],
     from .common import is_correct
     from .server import server_root
 
+    complete(base_url, model, prompts[0], max_tokens=4)  # warm-up: a server's first request is slow
     out = []
     for p, prompt in zip(problems, prompts):
         before = scrape(server_root(base_url))

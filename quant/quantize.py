@@ -18,8 +18,8 @@ What happens to each tensor (native names; ``N`` a main layer, ``E`` an expert):
   ``layer_quant_config``.
 - everything else: copied byte for byte under its own name.
 
-``config.json`` gets the Quark ``quantization_config`` (:func:`~vllm_dsv4_mtp.formats.quark_config.mxfp4_experts_config`);
-other files (tokenizer, generation config, ...) are copied. Output goes to a temporary directory next to DST
+``config.json`` gets the Quark ``quantization_config``
+(:func:`~vllm_dsv4_mtp.formats.quark_config.mxfp4_experts_config`); other files (tokenizer, generation config, ...) are copied. Output goes to a temporary directory next to DST
 that is renamed to DST only when complete; an existing DST is replaced only with ``force``.
 Memory: one output shard (at most ``max_shard_bytes``, by default the largest source shard) plus the tensor
 being converted.
@@ -312,30 +312,14 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, shared_experts: str
     shard size (default: the largest source shard). ``check``: run ``dsv4-mtp inspect``'s header checks on SRC
     first (a missing MTP layer is an error unless ``allow_missing_mtp``). Returns a :class:`QuantizeReport`.
     """
-    from tqdm import tqdm
-
-    from vllm_dsv4_mtp.config import DeepseekV4Spec
-    from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader, CheckpointWriter, INDEX_FILE
-    from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig, mxfp4_experts_config
-
     t0 = time.monotonic()
     if shared_experts not in SHARED_EXPERT_MODES:
         raise QuantizeError(f"shared_experts must be one of {SHARED_EXPERT_MODES}, got {shared_experts!r}")
     src, dst = Path(src), Path(dst)
     _check_paths(src, dst, force)
-    reader = CheckpointReader(src)
-    cfg = reader.config
-    if cfg is None:
-        raise QuantizeError(f"{src / 'config.json'}: missing (needed to validate and to write the Quark config)")
-    spec = DeepseekV4Spec.from_dict(cfg, source=str(src / "config.json"))
-    qc = cfg.get("quantization_config")
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if qc is not None and method != "fp8":
-        raise QuantizeError(
-            f"{src / 'config.json'}: quantization_config.quant_method is {method!r}: "
-            + ("the checkpoint is already Quark-quantized" if method == "quark"
-               else "expected no quantization_config (BF16) or the official 'fp8' release"))
-    report = QuantizeReport(src=str(src), dst=str(dst), source_quantization="fp8 (official)" if qc else "none",
+    reader, cfg, spec = _open_source(src)
+    report = QuantizeReport(src=str(src), dst=str(dst),
+                            source_quantization="fp8 (official)" if cfg.get("quantization_config") else "none",
                             bytes_in=reader.total_bytes, shards_in=len(reader.shards))
     if check:
         report.warnings += _preflight(src, allow_missing_mtp)
@@ -350,36 +334,69 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, shared_experts: str
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        writer = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes, always_index=reader.index_file is not None)
-        conv = _Converter(reader, writer, shared_experts, report)
-        with writer, tqdm(total=len(reader), unit="tensor", desc="quantize", disable=not progress,
-                          file=sys.stderr) as bar:
-            for shard in reader.shards:
-                bar.set_postfix_str(shard.name)
-                for name in reader.shard_names(shard):
-                    conv.convert(name)
-                    bar.update(1)
-            out_cfg = dict(cfg)
-            out_cfg["quantization_config"] = mxfp4_experts_config(sorted(conv.exclude),
-                                                                  layer_quant_config=conv.fp8_layers)
-            if "expert_dtype" in out_cfg:
-                out_cfg["expert_dtype"] = "fp4"  # the experts are now MXFP4
-            writer.write_config(out_cfg)
-        skip = {"config.json", INDEX_FILE}
-        for f in sorted(src.iterdir()):
-            if f.is_file() and f.suffix != ".safetensors" and f.name not in skip:
-                shutil.copyfile(f, tmp / f.name)
-        # read back: a valid checkpoint whose Quark config parses
-        out = CheckpointReader(tmp)
-        QuarkQuantConfig.from_dict(out.config["quantization_config"], source=str(tmp / "config.json"))
-        report.exclude = sorted(conv.exclude)
-        report.bytes_out, report.shards_out = out.total_bytes, len(out.shards)
+        _write_output(reader, cfg, tmp, shared_experts=shared_experts, max_shard_bytes=max_shard_bytes,
+                      progress=progress, report=report)
         _publish(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _open_source(src: Path):
+    """``(CheckpointReader, config.json dict, DeepseekV4Spec)`` of a BF16 or official-FP8 source; anything else
+    (no config.json, an already-quantized Quark checkpoint, another quant_method) is refused."""
+    from vllm_dsv4_mtp.config import DeepseekV4Spec
+    from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(src)
+    cfg = reader.config
+    if cfg is None:
+        raise QuantizeError(f"{src / 'config.json'}: missing (needed to validate and to write the Quark config)")
+    spec = DeepseekV4Spec.from_dict(cfg, source=str(src / "config.json"))
+    qc = cfg.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if qc is not None and method != "fp8":
+        raise QuantizeError(
+            f"{src / 'config.json'}: quantization_config.quant_method is {method!r}: "
+            + ("the checkpoint is already Quark-quantized" if method == "quark"
+               else "expected no quantization_config (BF16) or the official 'fp8' release"))
+    return reader, cfg, spec
+
+
+def _write_output(reader, cfg: dict[str, Any], tmp: Path, *, shared_experts: str, max_shard_bytes: int,
+                  progress: bool, report: QuantizeReport) -> None:
+    """The whole converted checkpoint into TMP: tensors shard by shard, config.json with the Quark config, the
+    other files of SRC; then read back (a valid checkpoint whose Quark config parses)."""
+    from tqdm import tqdm
+
+    from vllm_dsv4_mtp.formats.checkpoint import INDEX_FILE, CheckpointReader, CheckpointWriter
+    from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig, mxfp4_experts_config
+
+    writer = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes, always_index=reader.index_file is not None)
+    conv = _Converter(reader, writer, shared_experts, report)
+    with writer, tqdm(total=len(reader), unit="tensor", desc="quantize", disable=not progress,
+                      file=sys.stderr) as bar:
+        for shard in reader.shards:
+            bar.set_postfix_str(shard.name)
+            for name in reader.shard_names(shard):
+                conv.convert(name)
+                bar.update(1)
+        out_cfg = dict(cfg)
+        out_cfg["quantization_config"] = mxfp4_experts_config(sorted(conv.exclude),
+                                                              layer_quant_config=conv.fp8_layers)
+        if "expert_dtype" in out_cfg:
+            out_cfg["expert_dtype"] = "fp4"  # the experts are now MXFP4
+        writer.write_config(out_cfg)
+    skip = {"config.json", INDEX_FILE}
+    for f in sorted(reader.path.iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in skip:
+            shutil.copyfile(f, tmp / f.name)
+    out = CheckpointReader(tmp)
+    QuarkQuantConfig.from_dict(out.config["quantization_config"], source=str(tmp / "config.json"))
+    report.exclude = sorted(conv.exclude)
+    report.bytes_out, report.shards_out = out.total_bytes, len(out.shards)
 
 
 def _publish(tmp: Path, dst: Path) -> None:

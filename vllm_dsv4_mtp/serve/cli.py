@@ -134,6 +134,33 @@ def capacity_report(cmd, gpu_memory_gb: float | None = None):
                           gpu_memory_gb=gpu_memory_gb)
 
 
+def _missing_model_dir(cmd, o: _Options) -> str | None:
+    """A MODEL that is a path (absolute or ./relative) must be a directory; hub ids are vLLM's to resolve."""
+    path = Path(cmd.model).expanduser()
+    if not (path.is_absolute() or cmd.model.startswith(".")) or path.is_dir():
+        return None
+    hint = (" (the embedded tiny checkpoint has not been built yet: run `make demo`, or pass MODEL)"
+            if cmd.profile.model is None and o.model is None else "")
+    return f"error: model directory {cmd.model} does not exist{hint}"
+
+
+def _capacity_refusal(cmd, o: _Options) -> str | None:
+    """Print the capacity arithmetic; the refusal message when it cannot fit (unless --no-capacity-check)."""
+    try:
+        report = capacity_report(cmd, o.gpu_memory_gb)
+    except (ValueError, KeyError) as e:  # a malformed config.json: ConfigError names file and field
+        return f"error: capacity check: {e}"
+    if report is None:
+        print(f"# capacity check skipped: {cmd.model} is neither a local checkpoint directory nor a known "
+              "checkpoint, so there is no config.json to compute from")
+        return None
+    print(report.text, flush=True)
+    if not report.fits and not o.no_capacity_check:
+        return ("refused: the capacity check above says this cannot fit (change one of the listed flags, or pass "
+                "--no-capacity-check to start anyway)")
+    return None
+
+
 def run(argv: list[str]) -> int:
     from vllm_dsv4_mtp.serve.command import ServeArgsError, build_command, server_module
     from vllm_dsv4_mtp.serve.profiles import PROFILES, default_model, get_profile
@@ -174,28 +201,10 @@ def run(argv: list[str]) -> int:
         print(f"#   {k}={v}  [{origin}]")
     print(cmd.shell(), flush=True)
 
-    if Path(cmd.model).expanduser().is_absolute() or cmd.model.startswith("."):
-        if not Path(cmd.model).expanduser().is_dir():
-            hint = (" (the embedded tiny checkpoint has not been built yet: run `make demo`, or pass MODEL)"
-                    if profile.model is None and o.model is None else "")
-            print(f"dsv4-mtp serve: error: model directory {cmd.model} does not exist{hint}", file=sys.stderr)
-            return 2
-
-    if profile.hardware is not None:
-        try:
-            report = capacity_report(cmd, o.gpu_memory_gb)
-        except (ValueError, KeyError) as e:  # a malformed config.json: ConfigError names file and field
-            print(f"dsv4-mtp serve: error: capacity check: {e}", file=sys.stderr)
-            return 2
-        if report is None:
-            print(f"# capacity check skipped: {cmd.model} is neither a local checkpoint directory nor a known "
-                  "checkpoint, so there is no config.json to compute from")
-        else:
-            print(report.text, flush=True)
-            if not report.fits and not o.no_capacity_check:
-                print("dsv4-mtp serve: refused: the capacity check above says this cannot fit (change one of the "
-                      "listed flags, or pass --no-capacity-check to start anyway)", file=sys.stderr)
-                return 2
+    problem = _missing_model_dir(cmd, o) or (_capacity_refusal(cmd, o) if profile.hardware is not None else None)
+    if problem:
+        print(f"dsv4-mtp serve: {problem}", file=sys.stderr)
+        return 2
 
     if version_problem and not o.ignore_vllm_version:
         stream = sys.stdout if o.dry_run else sys.stderr

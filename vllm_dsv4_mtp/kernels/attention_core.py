@@ -27,6 +27,11 @@ this is traced; under tracing the cache access would have to sit behind an opaqu
 
 All layers pad their rows to one width (:func:`cache_row_width`) so the whole model is one KV-cache group
 with one metadata build per step (the MTP draft's SWA layer uses the same width).
+
+Chunked prefill and prefix caching are supported. Note that vLLM's CPU platform decides from
+``model_type: deepseek_v4`` that the model uses MLA and, on CPUs without AMX, forces both features off (and
+the block size to 256) whatever the layers do; ``VLLM_MLA_DISABLE=1`` (a vLLM setting; nothing in this model
+uses vLLM's MLA code) keeps them on. ``tests/test_model_engine_chunked.py`` runs that configuration.
 """
 
 from __future__ import annotations

@@ -140,9 +140,9 @@ class DeepseekV4Model(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids, positions: [T]`` -> final hidden ``[T, D]`` (after ``hc_head`` and ``norm``)."""
-        h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         if input_ids is None:
             raise ValueError("DeepSeek-V4 needs input_ids (hash-routed MoE layers); inputs_embeds alone is not enough")
+        h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         x = h.unsqueeze(1).repeat(1, self.hc_mult, 1)  # [T, hc, D]
         for layer in self.layers:
             x = layer(positions, x, input_ids)

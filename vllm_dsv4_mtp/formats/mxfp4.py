@@ -189,15 +189,21 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
             f"MXFP4 scales shape {tuple(s.shape)} does not match packed shape {tuple(p.shape)}: "
             f"expected {(*p.shape[:-1], k // group_size) if p.ndim else '?'} (one scale per {group_size} elements)"
         )
-    values = unpack_e2m1(p).reshape(*p.shape[:-1], k // group_size, group_size)
-    out = values * e8m0_to_float(s).unsqueeze(-1)
-    return out.reshape(*p.shape[:-1], k).to(dtype)
+    return _scaled(unpack_e2m1(p), s, group_size).to(dtype)
 
 
 def fake_quant(x: torch.Tensor, group_size: int = BLOCK_SIZE) -> torch.Tensor:
     """Quantize-dequantize ``x [..., K]`` (the W4A4 activation rounding); same shape and dtype as ``x``."""
     codes, scales = quantize_codes(x, group_size)
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)[codes.long()]
-    lead, k = x.shape[:-1], x.shape[-1]
-    out = values.reshape(*lead, k // group_size, group_size) * e8m0_to_float(scales).unsqueeze(-1)
-    return out.reshape(x.shape).to(x.dtype)
+    return _scaled(values, scales, group_size).to(x.dtype)
+
+
+def _scaled(values: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """E2M1 element values float32 ``[..., K]`` x E8M0 bytes ``[..., K // group_size]`` -> float32 ``[..., K]``.
+
+    Exact in float32 (a 2-bit significand times a power of two), or +-inf where 6 * 2**127 overflows.
+    """
+    *lead, k = values.shape
+    blocks = values.reshape(*lead, k // group_size, group_size) * e8m0_to_float(scales).unsqueeze(-1)
+    return blocks.reshape(*lead, k)

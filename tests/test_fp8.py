@@ -109,3 +109,21 @@ def test_errors_name_the_tensor():
         fp8.dequantize_block_fp8(torch.zeros(2, 3, 4).to(torch.float8_e4m3fn), torch.zeros(1, 1))
     with pytest.raises(ValueError, match="scale_format"):
         fp8.quantize_block_fp8(torch.zeros(4, 4), scale_format="e4m3")
+
+
+def test_non_contiguous_inputs():
+    """Transposed views and column slices (e.g. a tensor-parallel shard) decode and encode like their copies,
+    with and without partial edge blocks."""
+    g = torch.Generator().manual_seed(4)
+    for rows, cols in ((256, 384), (300, 260)):
+        wt = torch.randn(cols, rows, generator=g).t()  # [rows, cols], column-major
+        assert not wt.is_contiguous()
+        qt, st = fp8.quantize_block_fp8(wt)
+        qc, sc = fp8.quantize_block_fp8(wt.contiguous())
+        assert torch.equal(qt.view(torch.uint8), qc.view(torch.uint8)) and torch.equal(st, sc)
+        q_view = qc.t().contiguous().t()  # the same FP8 values, column-major
+        assert not q_view.is_contiguous()
+        assert torch.equal(fp8.dequantize_block_fp8(q_view, sc), fp8.dequantize_block_fp8(qc, sc))
+        shard = qc[:, :128]
+        assert torch.equal(fp8.dequantize_block_fp8(shard, sc[:, :1]),
+                           fp8.dequantize_block_fp8(shard.contiguous(), sc[:, :1]))

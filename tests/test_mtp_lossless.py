@@ -1,7 +1,10 @@
 """Lossless: greedy outputs with the MTP draft (K = 1, 2, 3) equal the outputs without it, token for token.
 
-A random tiny checkpoint (every architectural feature; head scaled x4 so greedy decoding is stable under
-bf16 rounding and the verify step's different batch shapes), bfloat16, 8 concurrent prompts of 3 to 260
+A random tiny checkpoint (every architectural feature), bfloat16, made stable for greedy decoding under bf16
+rounding and the verify step's different batch shapes: head scaled x8 (peaked logits) and ``gate.bias`` scaled
+so expert selection cannot flip on rounding noise (``sharpen_routing``; without it, bf16 near-ties of HF's
+top-2 log-probabilities within ~0.1 were seen to flip at a few of 256 steps, with or without MTP).
+8 concurrent prompts of 3 to 260
 tokens (beyond the 128-token window of the target's SWA layer and of the draft's). One engine per setting,
 started one at a time. The random MTP layer almost never agrees with the random target, so nearly every draft
 is rejected: the verify / reject / re-draft path runs at every step, and vLLM's counters show acceptance near
@@ -23,11 +26,13 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
+    from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
     from vllm_dsv4_mtp.model.mtp_checkpoints import scale_head
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
     d = build_tiny_checkpoint(tmp_path_factory.mktemp("mtp-lossless") / "bf16", seed=2)
-    scale_head(d, 4.0)
+    scale_head(d, 8.0)
+    sharpen_routing(d)
     return d
 
 

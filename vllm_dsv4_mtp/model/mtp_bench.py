@@ -100,11 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", help="a DeepSeek-V4 checkpoint directory with mtp.* weights")
     p.add_argument("--model", choices=["permutation", "random"], default="permutation",
                    help="without --checkpoint: build a tiny model (permutation: MTP agrees with the target; "
-                        "random: random weights, head scaled x4)")
+                        "random: random weights, head scaled by --head-scale)")
     p.add_argument("--k", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--head-scale", type=float, default=4.0, help="--model random: multiply the head by this")
+    p.add_argument("--sharpen-routing", action="store_true",
+                   help="--model random: scale gate.bias so expert choice cannot flip on rounding noise")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
 
@@ -119,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.model == "permutation":
             make_permutation_model(ckpt, seed=0)
         else:
-            scale_head(ckpt, 4.0)
+            scale_head(ckpt, args.head_scale)
+            if args.sharpen_routing:
+                from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
+
+                sharpen_routing(ckpt)
     with open(f"{ckpt}/config.json") as f:
         vocab = json.load(f)["vocab_size"]
     prompts = prompts_for(vocab, args.prompts)

@@ -62,6 +62,28 @@ def greedy(model, tok, prompt: str, max_new_tokens: int = 80) -> tuple[list[int]
     return ids, out, tok.decode(out)
 
 
+@torch.no_grad()
+def use_mxfp4_experts_(model, mxfp4_dir: Path) -> int:
+    """Replace the target's routed experts by the MXFP4 decode of ``mxfp4_dir`` (a ``dsv4-mtp quantize``
+    output): the weight-only effect of MXFP4 (no W4A4 activation rounding). Returns tensors replaced."""
+    from ..formats.checkpoint import CheckpointReader
+    from ..formats.mxfp4 import dequantize
+
+    reader, n = CheckpointReader(mxfp4_dir), 0
+    for i, layer in enumerate(model.model.layers):
+        experts, inter = layer.mlp.experts, layer.mlp.experts.down_proj.shape[2]
+        for e in range(experts.gate_up_proj.shape[0]):
+            w = {}
+            for k in ("w1", "w2", "w3"):
+                name = f"layers.{i}.ffn.experts.{e}.{k}"
+                w[k] = dequantize(reader.get(name + ".weight"), reader.get(name + ".weight_scale"))
+            experts.gate_up_proj[e, :inter] = w["w1"]
+            experts.gate_up_proj[e, inter:] = w["w3"]
+            experts.down_proj[e] = w["w2"]
+            n += 3
+    return n
+
+
 def accuracy(model, tok, problems: list[dict], fewshot: list[dict], limit: int | None = None) -> dict:
     rows = problems[:limit] if limit else problems
     correct, t0 = 0, time.time()
@@ -103,16 +125,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mtp-limit", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--mxfp4-experts", type=Path, default=None, metavar="DIR",
+                    help="run the target with the routed experts decoded from this MXFP4 checkpoint")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, mtp, tok = load(args.ckpt)
+    if args.mxfp4_experts:
+        print(f"routed experts from {args.mxfp4_experts}: {use_mxfp4_experts_(model, args.mxfp4_experts)} tensors")
     test, fewshot_pool = gsm.read_jsonl(TEST_JSONL), gsm.read_jsonl(FEWSHOT_JSONL)
     results: dict = {"ckpt": str(args.ckpt)}
     for k in args.shots:
         results[f"accuracy_{k}shot"] = accuracy(model, tok, test, fewshot_pool[:k], args.limit)
         print(json.dumps({f"accuracy_{k}shot": results[f"accuracy_{k}shot"]}), flush=True)
-    results["mtp_agreement_0shot"] = mtp_agreement(model, mtp, tok, test, [], args.mtp_limit)
-    print(json.dumps({"mtp_agreement_0shot": results["mtp_agreement_0shot"]}), flush=True)
+    if args.mtp_limit:
+        results["mtp_agreement_0shot"] = mtp_agreement(model, mtp, tok, test, [], args.mtp_limit)
+        print(json.dumps({"mtp_agreement_0shot": results["mtp_agreement_0shot"]}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -257,12 +257,22 @@ def step_breakdown_markdown(bd: dict) -> str:
         calls, toks = run["calls_per_step"][part], run["tokens_per_call"][part]
         return f"{ms:.2f} ({calls:g} x {toks:.3g})"
 
+    def sub(run, part):
+        ms = run.get("subparts_ms", {}).get(part)
+        return "–" if ms is None else f"{ms:.2f}"
+
     rows = [("target forward", "target"), ("target logits", "target_logits"), ("draft (MTP) forward", "draft"),
             ("draft logits", "draft_logits"),
             ("other: scheduling, input preparation, sampling / rejection sampling, outputs", "other")]
+    subs = {"target": ("target_attention", "target_moe"), "draft": ("draft_attention", "draft_moe")}
     lines = [f"| one engine step at concurrency 1, ms (calls per step x mean tokens per call) | MTP off | MTP K={k} |",
              "|---|---:|---:|"]
-    lines += [f"| {name} | {cell(off, part)} | {cell(on, part)} |" for name, part in rows]
+    for name, part in rows:
+        lines.append(f"| {name} | {cell(off, part)} | {cell(on, part)} |")
+        for sp in subs.get(part, ()):
+            if sp in off.get("subparts_ms", {}) or sp in on.get("subparts_ms", {}):
+                what = "attention blocks" if sp.endswith("attention") else "MoE blocks (router, routed + shared experts)"
+                lines.append(f"| &nbsp;&nbsp;of which {what} | {sub(off, sp)} | {sub(on, sp)} |")
     lines += [f"| **whole step** (target forward start to the next) | **{off['step_ms']:.2f}** | **{on['step_ms']:.2f}** |",
               f"| tokens per step | {off['tokens_per_step']:.2f} | {on['tokens_per_step']:.2f} |",
               f"| ms per output token | {off['ms_per_output_token']:.2f} | {on['ms_per_output_token']:.2f} |"]

@@ -52,6 +52,19 @@ def _hook(module, part: str) -> None:
     module.register_forward_hook(post, with_kwargs=True)
 
 
+def _hook_blocks(model, prefix: str) -> list[str]:
+    """Time every decoder block's attention (``*.attn``) and MoE (``*.ffn``), summed per step as
+    ``<prefix>_attention`` / ``<prefix>_moe``: a breakdown inside the ``<prefix>`` forward, not added to it."""
+    found = set()
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("attn", "ffn") and ".layers." in f".{name}":
+            part = f"{prefix}_{'attention' if leaf == 'attn' else 'moe'}"
+            _hook(mod, part)
+            found.add(part)
+    return sorted(found)
+
+
 def install_hooks(worker) -> list[str]:
     """Run in the worker through ``collective_rpc``: time the target and (if any) draft forwards."""
     runner = worker.model_runner
@@ -59,7 +72,7 @@ def install_hooks(worker) -> list[str]:
     target = runner.model
     _hook(target, "target")
     _hook(target.logits_processor, "target_logits")
-    installed += ["target", "target_logits"]
+    installed += ["target", "target_logits"] + _hook_blocks(target, "target")
     drafter = getattr(runner, "drafter", None)
     draft = getattr(drafter, "model", None)
     if draft is not None:
@@ -68,6 +81,7 @@ def install_hooks(worker) -> list[str]:
         if draft.logits_processor is not target.logits_processor:
             _hook(draft.logits_processor, "draft_logits")
             installed.append("draft_logits")
+        installed += _hook_blocks(draft, "draft")
     return installed
 
 
@@ -77,7 +91,8 @@ def take_records(worker) -> list[tuple[str, int, float, float]]:
     return out
 
 
-PARTS = ("target", "target_logits", "draft", "draft_logits")
+PARTS = ("target", "target_logits", "draft", "draft_logits")  # disjoint; the rest of a step is "other"
+SUBPARTS = ("target_attention", "target_moe", "draft_attention", "draft_moe")  # inside target / draft
 
 
 def summarize(per_request: list[list[tuple[str, int, float, float]]], output_tokens: list[int],
@@ -97,7 +112,7 @@ def summarize(per_request: list[list[tuple[str, int, float, float]]], output_tok
         for a, b in zip(bounds[:-1], bounds[1:]):
             st = {"step": (b - a) * 1e3}
             inside = [r for r in recs if a <= r[2] < b]
-            for part in PARTS:
+            for part in PARTS + SUBPARTS:
                 mine = [r for r in inside if r[0] == part]
                 st[part] = sum(r[3] - r[2] for r in mine) * 1e3
                 st[part + "_calls"] = len(mine)
@@ -124,6 +139,8 @@ def summarize(per_request: list[list[tuple[str, int, float, float]]], output_tok
         out["calls_per_step"][part] = round(statistics.fmean(st[part + "_calls"] for st in steps), 3)
         out["tokens_per_call"][part] = round(statistics.fmean(tokens[part]), 3)
     out["parts_ms"]["other"] = round(step_ms - covered, 3)
+    out["subparts_ms"] = {part: round(statistics.fmean(st[part] for st in kept), 3) for part in SUBPARTS
+                          if tokens[part]}
     out["ms_per_output_token"] = round(step_ms / tokens_per_step, 3)
     return out
 

@@ -169,8 +169,8 @@ class DeepSeekV4MultiTokenPredictor(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is None:
-            raise RuntimeError("the MTP draft's embedding is the target's: vLLM's proposer attaches it at load "
-                               "(outside vLLM call DeepSeekV4MTPModel.share_target_modules(target))")
+            raise RuntimeError("the MTP draft's embedding is the target's model.embed_tokens, attached by vLLM's "
+                               "speculative-decoding proposer after loading; none is attached")
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden_states: torch.Tensor,
@@ -227,16 +227,9 @@ class DeepSeekV4MTPModel(nn.Module):
         layer = self.model.layer(spec_step_idx)
         head = layer.shared_head.head
         if head is None:
-            raise RuntimeError("the MTP draft's LM head is the target's: vLLM's proposer attaches it at load "
-                               "(outside vLLM call DeepSeekV4MTPModel.share_target_modules(target))")
+            raise RuntimeError("the MTP draft's LM head is the target's lm_head, attached by vLLM's "
+                               "speculative-decoding proposer after loading; none is attached")
         return self.logits_processor(head, layer.final_hidden(hidden_states))
-
-    def share_target_modules(self, target: nn.Module) -> None:
-        """Attach the target's embedding and LM head, as vLLM's proposer does (for use outside vLLM)."""
-        self.model.embed_tokens = target.model.embed_tokens
-        self.lm_head = target.lm_head
-        for layer in self.model.layers.values():
-            layer.shared_head.head = target.lm_head
 
     def is_unused_checkpoint_weight(self, name: str) -> bool:
         """Shards holding only main-model tensors are not read by the draft's loader (vLLM's loader hook)."""

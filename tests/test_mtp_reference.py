@@ -77,6 +77,10 @@ def run(ckpt):
     yield {"draft": draft, "calls": calls, "prompts": prompts, "outs": outs}
     del llm, draft
     gc.collect()
+    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()  # the in-process engine's world-size-1 group; later modules may build their own
+    destroy_distributed_environment()
     if old is None:
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     else:

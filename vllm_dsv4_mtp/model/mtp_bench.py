@@ -8,7 +8,7 @@ mean acceptance length, per-position acceptance), so offline runs and servers re
 
 Command line (one run: the same prompts through an engine per setting, one at a time)::
 
-    python -m vllm_dsv4_mtp.model.mtp_bench [--checkpoint DIR | --model permutation|random] \\
+    python -m vllm_dsv4_mtp.model.mtp_bench [--checkpoint DIR [--questions JSONL] | --model permutation|random] \\
         [--k 0 1 2 3] [--prompts 8] [--max-tokens 32] [--dtype bfloat16]
 
 prints, per setting, engine start time, decode time, ms per engine step, output tokens/s and the acceptance
@@ -59,6 +59,18 @@ def prompts_for(vocab: int, n: int, seed: int = 0, lens=(3, 9, 17, 33, 60, 100, 
     return [torch.randint(2, vocab, (lens[i % len(lens)],), generator=g).tolist() for i in range(n)]
 
 
+def question_prompts(ckpt: str, path: str, n: int) -> list[list[int]]:
+    """Token ids of the first ``n`` questions of a JSONL file, in the embedded model's prompt layout."""
+    from transformers import AutoTokenizer
+
+    from vllm_dsv4_mtp.embedded.data import format_prompt
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    with open(path) as f:
+        questions = [json.loads(line)["question"] for line in f if line.strip()][:n]
+    return [tok(format_prompt(q))["input_ids"] for q in questions]
+
+
 def run_setting(ckpt: str, k: int, prompts: list[list[int]], max_tokens: int, dtype: str) -> dict:
     """Start an engine (MTP with ``k`` drafts, or off when ``k == 0``), generate greedily, measure."""
     import gc
@@ -103,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                         "random: random weights, head scaled by --head-scale)")
     p.add_argument("--k", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--questions", help="a JSONL file of {\"question\": ...} (e.g. the embedded held-out set): "
+                   "prompts are its first --prompts questions in the embedded model's layout, tokenized with the "
+                   "checkpoint's tokenizer, instead of random token ids")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--head-scale", type=float, default=4.0, help="--model random: multiply the head by this")
@@ -129,10 +144,12 @@ def main(argv: list[str] | None = None) -> int:
                 sharpen_routing(ckpt)
     with open(f"{ckpt}/config.json") as f:
         vocab = json.load(f)["vocab_size"]
-    prompts = prompts_for(vocab, args.prompts)
+    prompts = prompts_for(vocab, args.prompts) if not args.questions else question_prompts(
+        ckpt, args.questions, args.prompts)
     results = [run_setting(ckpt, k, prompts, args.max_tokens, args.dtype) for k in args.k]
     base = next((r for r in results if r["k"] == 0), None)
     print(f"checkpoint {ckpt} ({args.model if args.checkpoint is None else 'given'}), {args.dtype}, "
+          f"{'questions from ' + args.questions if args.questions else 'random token prompts'}, "
           f"{len(prompts)} prompts, {args.max_tokens} greedy tokens each")
     print("| MTP K | engine steps | ms/step | output tok/s | acceptance rate | mean acceptance length "
           "| per-position acceptance | outputs == MTP off |")

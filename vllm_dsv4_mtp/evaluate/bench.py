@@ -307,8 +307,10 @@ def plot(report: dict, path: Path) -> Path:
         axes[2].text(0.5, 0.5, "needs an MTP-off and an MTP run", ha="center", va="center",
                      transform=axes[2].transAxes)
     titles = ("mean end-to-end latency (ms)", "output tokens/s", "MTP speedup over off (x)")
+    levels = sorted({lv["concurrency"] for r in report["runs"] for lv in r["levels"]})
     for ax, title in zip(axes, titles):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
         ax.set_xlabel("max concurrency")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)

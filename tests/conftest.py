@@ -7,6 +7,7 @@ slice of RAM, and nothing may reach a model hub.
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -35,3 +36,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gfx950" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def vllm_dist():
+    """A one-process vLLM distributed environment (TP = 1, gloo on a free loopback port) inside a default
+    ``VllmConfig``: what vLLM's parallel layers need to be built and loaded outside an engine."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+        initialize_model_parallel(1, 1)
+        torch.set_default_dtype(torch.float32)
+        yield
+        destroy_model_parallel()
+        destroy_distributed_environment()

@@ -9,7 +9,6 @@ ratio), MoE with hash and bias routing, BF16 and MXFP4 experts.
 from __future__ import annotations
 
 import json
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -21,30 +20,6 @@ M = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 # float32 sums of a few hundred terms in a different order: well below 1e-4
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def vllm_ctx():
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-        initialize_model_parallel(1, 1)
-        torch.set_default_dtype(torch.float32)
-        yield
-        destroy_model_parallel()
-        destroy_distributed_environment()
 
 
 def _configs(tmp_path, **overrides):
@@ -173,7 +148,7 @@ def _ours_full(mine, x, pos, chunks=None):
     ([0, 4, 128, 4, 0], 0), ([0, 4, 128, 4, 0], 1), ([0, 4, 128, 4, 0], 2),
     ([0, 4, 8, 4, 0], 1), ([0, 4, 8, 4, 0], 2),
 ])
-def test_attention_matches_hf(vllm_ctx, tmp_path, ratios, lid):
+def test_attention_matches_hf(vllm_dist, tmp_path, ratios, lid):
     """Full-sequence attention of every layer type over 300 tokens (window 128 wraps, C128 emits 2 entries,
     C4 has 75 entries of which the indexer keeps 4 per query)."""
     from transformers.masking_utils import create_sliding_window_causal_mask
@@ -193,7 +168,7 @@ def test_attention_matches_hf(vllm_ctx, tmp_path, ratios, lid):
     torch.testing.assert_close(y, y_ref[0], atol=ATOL, rtol=0)
 
 
-def test_attention_chunked_queries_equal_full(vllm_ctx, tmp_path):
+def test_attention_chunked_queries_equal_full(vllm_dist, tmp_path):
     """Queries processed in pieces (as chunked prefill / decode do, over rows 0..end) give the same output."""
     cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=5)
     x = torch.randn(300, cfg["hidden_size"])
@@ -204,7 +179,7 @@ def test_attention_chunked_queries_equal_full(vllm_ctx, tmp_path):
     torch.testing.assert_close(pieces, full, atol=1e-5, rtol=0)
 
 
-def test_indexer_really_selects(vllm_ctx, tmp_path):
+def test_indexer_really_selects(vllm_dist, tmp_path):
     """With index_topk=4 the C4 attention depends on which entries the indexer keeps (not all of them)."""
     cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=7)
     x = torch.randn(300, cfg["hidden_size"])
@@ -250,7 +225,7 @@ def _copy_moe(ref, mine, fmt):
 
 @pytest.mark.parametrize("is_hash", [True, False])
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-def test_moe_matches_hf(vllm_ctx, tmp_path, is_hash, fmt):
+def test_moe_matches_hf(vllm_dist, tmp_path, is_hash, fmt):
     """Router (hash / bias-selected), SwiGLU clamp, shared expert; MXFP4 weight-only equals HF on the decoded
     weights; W4A4 equals the same experts on fake-quantised activations."""
     from vllm_dsv4_mtp.formats import mxfp4

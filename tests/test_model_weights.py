@@ -9,7 +9,6 @@ errors naming the tensor; ``mtp.*`` is skipped on purpose.
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -47,29 +46,6 @@ def test_native_name_map():
         m("lm_head.weight")
 
 
-@pytest.fixture(scope="module")
-def dist():
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-        initialize_model_parallel(1, 1)
-        yield
-        destroy_model_parallel()
-        destroy_distributed_environment()
-
-
 def _build(ckpt, dtype="float32"):
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -105,7 +81,7 @@ def ckpts(tmp_path_factory):
     }.items()}
 
 
-def test_bf16_checkpoint_loads_every_tensor(dist, ckpts):
+def test_bf16_checkpoint_loads_every_tensor(vllm_dist, ckpts):
     model = _build(ckpts["bf16"])
     tensors = _tensors(ckpts["bf16"])
     loaded = model.load_weights(tensors.items())
@@ -117,7 +93,7 @@ def test_bf16_checkpoint_loads_every_tensor(dist, ckpts):
     assert torch.equal(p["model.layers.1.ffn.experts.w13_weight"][3, 64:], tensors["layers.1.ffn.experts.3.w3.weight"].float())
 
 
-def test_official_layout_decodes_to_the_bf16_weights(dist, ckpts):
+def test_official_layout_decodes_to_the_bf16_weights(vllm_dist, ckpts):
     """FP8 linears decode (exact block scales) to within FP8 rounding of the BF16 source; FP4 experts keep
     their bytes (int8 -> uint8 view, F8_E8M0 -> raw bytes)."""
     from vllm_dsv4_mtp.formats.fp8 import dequantize_block_fp8
@@ -138,7 +114,7 @@ def test_official_layout_decodes_to_the_bf16_weights(dist, ckpts):
     assert info["experts"] == ["portable_mxfp4"] * 4 and info["expert_activation_quant"] == [False] * 4
 
 
-def test_quark_mxfp4_checkpoint_loads(dist, ckpts):
+def test_quark_mxfp4_checkpoint_loads(vllm_dist, ckpts):
     model = _build(ckpts["mxfp4"], dtype="bfloat16")
     tensors = _tensors(ckpts["mxfp4"])
     model.load_weights(tensors.items())
@@ -153,7 +129,7 @@ def test_quark_mxfp4_checkpoint_loads(dist, ckpts):
     ("reshape", r"layers\.1\.attn\.wo_b\.weight: expected shape \(128, 64\), got \(128, 63\)"),
     ("unknown", r"layers\.1\.attn\.bogus\.weight: unexpected tensor for this config"),
 ])
-def test_bad_checkpoints_are_errors_naming_the_tensor(dist, ckpts, breakage, message):
+def test_bad_checkpoints_are_errors_naming_the_tensor(vllm_dist, ckpts, breakage, message):
     model = _build(ckpts["bf16"])
     tensors = _tensors(ckpts["bf16"])
     if breakage == "drop":
@@ -166,7 +142,7 @@ def test_bad_checkpoints_are_errors_naming_the_tensor(dist, ckpts, breakage, mes
         model.load_weights(tensors.items())
 
 
-def test_fp8_weight_without_scale_is_an_error(dist, ckpts):
+def test_fp8_weight_without_scale_is_an_error(vllm_dist, ckpts):
     model = _build(ckpts["official"], dtype="bfloat16")
     tensors = _tensors(ckpts["official"])
     del tensors["layers.0.attn.wo_a.scale"]
@@ -175,7 +151,7 @@ def test_fp8_weight_without_scale_is_an_error(dist, ckpts):
         model.load_weights(tensors.items())
 
 
-def test_mxfp4_expert_without_scale_is_an_error(dist, ckpts):
+def test_mxfp4_expert_without_scale_is_an_error(vllm_dist, ckpts):
     model = _build(ckpts["mxfp4"], dtype="bfloat16")
     tensors = _tensors(ckpts["mxfp4"])
     del tensors["layers.3.ffn.experts.6.w1.weight_scale"]
@@ -184,7 +160,7 @@ def test_mxfp4_expert_without_scale_is_an_error(dist, ckpts):
         model.load_weights(tensors.items())
 
 
-def test_mtp_tensors_are_skipped_on_purpose(dist, ckpts):
+def test_mtp_tensors_are_skipped_on_purpose(vllm_dist, ckpts):
     model = _build(ckpts["bf16"])
     tensors = _tensors(ckpts["bf16"])
     assert any(n.startswith("mtp.0.") for n in tensors)
@@ -192,7 +168,7 @@ def test_mtp_tensors_are_skipped_on_purpose(dist, ckpts):
     model.load_weights(tensors.items())
 
 
-def test_mxfp4_shared_experts_fse_layout(dist, ckpts):
+def test_mxfp4_shared_experts_fse_layout(vllm_dist, ckpts):
     """The AMD export's main-layer shared experts are MXFP4 (packed + E8M0): loaded as raw bytes and computed by
     the same emulation as the routed experts (weight-only here: exact decode, then the SwiGLU expert)."""
     from vllm_dsv4_mtp.formats import mxfp4

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -90,29 +89,6 @@ def test_cpu_expand_kernel_replacement():
 
 # ------------------------------------------------------------------------------ the draft, built as vLLM does
 @pytest.fixture(scope="module")
-def dist():
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-        initialize_model_parallel(1, 1)
-        yield
-        destroy_model_parallel()
-        destroy_distributed_environment()
-
-
-@pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """Tiny checkpoints sharing one set of BF16 weights (seed 0) in several storage layouts."""
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
@@ -152,7 +128,7 @@ def _tensors(ckpt):
     return {name: reader.get(name) for name in reader.names()}
 
 
-def test_bf16_checkpoint_loads_every_draft_parameter(dist, ckpts):
+def test_bf16_checkpoint_loads_every_draft_parameter(vllm_dist, ckpts):
     draft = _build_draft(ckpts["bf16"])
     tensors = _tensors(ckpts["bf16"])
     loaded = draft.load_weights(iter(tensors.items()))
@@ -167,7 +143,7 @@ def test_bf16_checkpoint_loads_every_draft_parameter(dist, ckpts):
     assert not draft.is_unused_checkpoint_weight("mtp.0.e_proj.weight")
 
 
-def test_draft_never_takes_the_targets_quant_config(dist, ckpts, monkeypatch):
+def test_draft_never_takes_the_targets_quant_config(vllm_dist, ckpts, monkeypatch):
     """Built under a quantized checkpoint's config, every draft linear is unquantized and its experts BF16."""
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
@@ -186,7 +162,7 @@ def test_draft_never_takes_the_targets_quant_config(dist, ckpts, monkeypatch):
         assert draft.model.layer(0).mtp_block.ffn.experts.w13_weight.dtype == torch.bfloat16
 
 
-def test_quantized_mtp_is_refused_by_default(dist, ckpts, monkeypatch):
+def test_quantized_mtp_is_refused_by_default(vllm_dist, ckpts, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     with pytest.raises(mtp_policy.MtpPrecisionError) as e:
         _build_draft(ckpts["official"])
@@ -195,7 +171,7 @@ def test_quantized_mtp_is_refused_by_default(dist, ckpts, monkeypatch):
                             "modules) is declared fp8-block by quantization_config" + REFUSAL_TAIL)
 
 
-def test_quantized_mtp_tensor_refused_even_if_config_says_bf16(dist, ckpts, monkeypatch):
+def test_quantized_mtp_tensor_refused_even_if_config_says_bf16(vllm_dist, ckpts, monkeypatch):
     """A BF16-declared checkpoint with an FP8 MTP tensor: the tensor itself is refused, by name."""
     from vllm_dsv4_mtp.formats.fp8 import quantize_block_fp8
 
@@ -210,7 +186,7 @@ def test_quantized_mtp_tensor_refused_even_if_config_says_bf16(dist, ckpts, monk
                             + REFUSAL_TAIL)
 
 
-def test_quantized_mtp_is_dequantized_exactly_on_request(dist, ckpts, monkeypatch):
+def test_quantized_mtp_is_dequantized_exactly_on_request(vllm_dist, ckpts, monkeypatch):
     from vllm_dsv4_mtp.formats import mxfp4
     from vllm_dsv4_mtp.formats.fp8 import dequantize_block_fp8
 
@@ -230,7 +206,7 @@ def test_quantized_mtp_is_dequantized_exactly_on_request(dist, ckpts, monkeypatc
     assert (want.float() - ref).abs().max() <= 0.07 * ref.abs().max()
 
 
-def test_checkpoint_without_mtp_weights_is_an_error(dist, ckpts):
+def test_checkpoint_without_mtp_weights_is_an_error(vllm_dist, ckpts):
     draft = _build_draft(ckpts["no-mtp"])
     with pytest.raises(ValueError) as e:
         draft.load_weights(iter(_tensors(ckpts["no-mtp"]).items()))
@@ -242,7 +218,7 @@ def test_checkpoint_without_mtp_weights_is_an_error(dist, ckpts):
         "MTP layer.")
 
 
-def test_missing_or_misshaped_mtp_tensor_is_named(dist, ckpts):
+def test_missing_or_misshaped_mtp_tensor_is_named(vllm_dist, ckpts):
     tensors = _tensors(ckpts["bf16"])
     without = {k: v for k, v in tensors.items() if k != "mtp.0.ffn.experts.6.w2.weight"}
     with pytest.raises(ValueError) as e:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+
+from vllm_dsv4_mtp.evaluate.server import free_port
 
 pytestmark = pytest.mark.engine
 
@@ -43,12 +44,6 @@ def ckpt(tmp_path_factory):
     return d
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read()
@@ -62,7 +57,7 @@ def _post(url: str, body: dict, timeout: float = 300.0) -> dict:
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("mtp-server-log") / "server.log"
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
             "--served-model-name", "dsv4-tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_dsv4_mtp.evaluate.server import free_port
 from vllm_dsv4_mtp.serve.metrics import spec_decode_metrics
 
 pytestmark = pytest.mark.engine
@@ -44,12 +44,6 @@ def tiny_model(tmp_path_factory) -> str:
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
     return str(build_tiny_checkpoint(out, experts="mxfp4"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> bytes:
@@ -89,7 +83,7 @@ def _wait_healthy(proc: subprocess.Popen, port: int, log: Path) -> None:
 def test_cpu_tiny_serves_completions_and_stops_cleanly(tiny_model, tmp_path, sig):
     import psutil
 
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "server.log"
     proc = _start(tiny_model, port, log)
     try:

@@ -1,15 +1,13 @@
-"""The attention seam: platform choice, row widths, and the portable core's paged addressing.
+"""The portable attention core: platform choice, row widths, and the paged addressing.
 
 The addressing test drives :meth:`PagedRowCache.run` with the metadata vLLM's runner would build for a batch
 mixing a chunked prefill continuation, a fresh prefill, a decode, a 3-token speculative verify and a padding
 request, over a shuffled block table: every request must see exactly its own rows of positions 0..L-1, in
 order, including rows written in earlier steps; rows beyond ``seq_len`` (rejected drafts) are never read.
-The gfx950-marked tests state what must hold on MI350/MI355 and are skipped elsewhere.
 """
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -19,17 +17,11 @@ from vllm_dsv4_mtp.kernels import attention_core as ac
 
 
 def test_platform_choice():
-    assert ac.attention_impl_for_platform(gfx950=True) == ac.ROCM_IN_TREE
-    assert ac.attention_impl_for_platform(gfx950=False) == ac.PORTABLE
-    assert ac.attention_impl_for_platform() == ac.PORTABLE  # this CPU
+    from vllm_dsv4_mtp import platform
 
-
-def test_platform_choice_can_force_portable(monkeypatch):
-    monkeypatch.setenv("VLLM_DSV4_MTP_ATTENTION", "portable")
-    assert ac.attention_impl_for_platform(gfx950=True) == ac.PORTABLE
-    monkeypatch.setenv("VLLM_DSV4_MTP_ATTENTION", "rocm")
-    with pytest.raises(ValueError, match="VLLM_DSV4_MTP_ATTENTION must be unset or 'portable'"):
-        ac.attention_impl_for_platform(gfx950=True)
+    assert platform.implementation(gfx950=True) == platform.IN_TREE
+    assert platform.implementation(gfx950=False) == platform.PORTABLE
+    assert platform.implementation() == platform.PORTABLE  # this CPU
 
 
 def test_row_widths():
@@ -130,40 +122,3 @@ def test_duplicate_layer_name_is_refused():
                          compilation_config=SimpleNamespace(static_forward_context={"model.layers.0.attn": core}))
     with pytest.raises(ValueError, match="Duplicate attention layer name 'model.layers.0.attn'"):
         ac.PagedRowCache(row_width=6, cache_width=8, prefix="model.layers.0.attn", vllm_config=vc)
-
-
-# --------------------------------------------------------------------------------------------- gfx950
-@pytest.mark.gfx950
-def test_gfx950_uses_vllm_in_tree_rocm_attention():
-    """On MI350/MI355 the seam returns vLLM's AITER sparse-MLA DeepSeek-V4 attention, whose parameter names
-    are the portable layer's (so the plugin's loader fills both), and the portable path stays selectable."""
-    from vllm.models.deepseek_v4.amd.rocm import DeepseekV4ROCMAiterMLAAttention
-
-    assert ac.is_gfx950()
-    assert ac.attention_impl_for_platform() == ac.ROCM_IN_TREE
-    assert os.environ.get("VLLM_ROCM_USE_AITER") == "1", "the in-tree ROCm DeepSeek-V4 attention needs AITER"
-    names = set(DeepseekV4ROCMAiterMLAAttention.__init__.__code__.co_names)
-    for attr in ("fused_wqa_wkv", "q_norm", "wq_b", "kv_norm", "wo_a", "wo_b", "attn_sink"):
-        assert attr in names, attr
-
-
-@pytest.mark.gfx950
-def test_gfx950_in_tree_attention_matches_portable_engine_logprobs(tmp_path):
-    """What must hold on gfx950: the plugin's model served with vLLM's in-tree ROCm attention (bf16) gives prompt
-    log-probabilities within the bf16 noise floor of HF float32 (same bound as test_model_engine_bf16)."""
-    from vllm import LLM, SamplingParams
-
-    from vllm_dsv4_mtp.model.hf_oracle import compare_prompt_logprobs, load_hf_model, sharpen_routing
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
-
-    # the in-tree kernels need the real head / rope / indexer sizes
-    ckpt = build_tiny_checkpoint(tmp_path / "ck", tiny_config(hidden_size=256, head_dim=512, index_n_heads=64,
-                                                              num_attention_heads=16, o_groups=4), seed=0)
-    sharpen_routing(ckpt)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 130, 300, 520)]
-    llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=1024, skip_tokenizer_init=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False))
-    r = compare_prompt_logprobs(outs, prompts, load_hf_model(ckpt))
-    assert r["mean_abs"] <= 0.03 and r["top1"] >= 0.95, r

@@ -1,8 +1,5 @@
-"""The expert-GEMM seam: which implementation each platform gets, and how MXFP4 bytes are loaded.
-
-The platform is faked through the plugin's own ``is_gfx950`` probe (the one place the seam asks the
-platform). The gfx950-marked test states what must hold on MI350/MI355 and is skipped elsewhere.
-"""
+"""The portable routed experts: implementation choice, how MXFP4 bytes are loaded, TP split, and the
+portable quantization config that claims DeepSeek-V4 checkpoints off gfx950."""
 
 from __future__ import annotations
 
@@ -12,19 +9,7 @@ import pytest
 import torch
 
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.kernels import attention_core, experts, portable_quant
-
-
-@pytest.mark.parametrize("gfx950,fmt,impl", [
-    (True, "mxfp4", experts.FUSED_MOE),
-    (True, "bf16", experts.FUSED_MOE),
-    (False, "mxfp4", experts.PORTABLE_MXFP4),
-    (False, "bf16", experts.PORTABLE_BF16),
-])
-def test_each_platform_gets_its_implementation(monkeypatch, gfx950, fmt, impl):
-    monkeypatch.setattr(attention_core, "is_gfx950", lambda: gfx950)
-    assert experts.select_experts_impl(fmt) == impl
-    assert experts.select_experts_impl(fmt, gfx950=gfx950) == impl
+from vllm_dsv4_mtp.kernels import experts, portable_quant
 
 
 def test_this_cpu_gets_the_portable_implementations():
@@ -78,16 +63,3 @@ def test_tensor_parallel_split_of_the_intermediate_dim():
     x = torch.randn(5, 64)
     w, ids = torch.ones(5, 1), torch.zeros(5, 1, dtype=torch.long)
     torch.testing.assert_close(parts[0](x, w, ids) + parts[1](x, w, ids), full(x, w, ids), atol=1e-4, rtol=1e-5)
-
-
-@pytest.mark.gfx950
-def test_gfx950_routed_experts_are_vllm_fused_moe_with_quark_ocp_mx():
-    """On MI350/MI355 the Quark MXFP4 experts run through vLLM's FusedMoE with the Quark OCP-MX method (AITER
-    CK W4A4), and agree with the plugin's portable W4A4 emulation on the same packed weights."""
-    import os
-
-    assert os.environ.get("VLLM_ROCM_USE_AITER") == "1", "FusedMoE's OCP-MX W4A4 path needs VLLM_ROCM_USE_AITER=1"
-    assert experts.select_experts_impl("mxfp4") == experts.FUSED_MOE
-    from vllm.model_executor.layers.quantization.quark.quark_moe import QuarkOCP_MX_MoEMethod
-
-    assert QuarkOCP_MX_MoEMethod.__name__ == "QuarkOCP_MX_MoEMethod"

@@ -277,35 +277,3 @@ def test_engine_start_without_mtp_weights_fails_naming_the_checkpoint(ckpts):
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
         vllm.envs.disable_envs_cache()
-
-
-@pytest.mark.gfx950
-@pytest.mark.engine
-def test_gfx950_draft_runs_in_tree_attention_and_unquantized_fused_moe(ckpts):
-    """What must hold on MI350/MI355: under the Quark MXFP4 checkpoint, the draft's block uses vLLM's in-tree
-    ROCm attention and a ``FusedMoE`` with the unquantized method (never the target's OCP-MX method), and K = 2
-    drafting runs (vLLM's proposer accepts the in-tree SWA metadata for K > 1)."""
-    import vllm.envs
-    from vllm import LLM, SamplingParams
-
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        llm = LLM(model=str(ckpts["quark"]), dtype="bfloat16", max_model_len=256, skip_tokenizer_init=True,
-                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-        core = llm.llm_engine.engine_core.engine_core
-        draft = core.model_executor.driver_worker.worker.model_runner.drafter.model
-        info = draft.describe()
-        assert info["attention"] == "rocm_in_tree" and info["experts"] == "fused_moe", info
-        experts = draft.model.layer(0).mtp_block.ffn.experts
-        assert type(experts.quant_method).__name__ == "UnquantizedFusedMoEMethod"
-        out = llm.generate([{"prompt_token_ids": list(range(2, 40))}],
-                           SamplingParams(max_tokens=8, temperature=0.0, detokenize=False))
-        assert len(out[0].outputs[0].token_ids) == 8
-    finally:
-        gc.collect()
-        if old is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
-        vllm.envs.disable_envs_cache()

@@ -1,17 +1,4 @@
-"""THE attention seam: which attention runs a DeepSeek-V4 layer, and the portable paged core.
-
-Platform choice (:func:`attention_impl_for_platform`, the only place it is made):
-
-* ``"rocm_in_tree"`` on gfx950 (MI350/MI355, ROCm vLLM with AITER): the layer is vLLM's own
-  ``vllm.models.deepseek_v4.amd.rocm.DeepseekV4ROCMAiterMLAAttention(vllm_config, prefix,
-  topk_indices_buffer=...)``, i.e. AITER sparse MLA over the ``fp8_ds_mla`` SWA / compressed caches and the
-  FP8 indexer cache, with its own ``DeepseekV4ROCMAiterMLASparseBackend`` metadata. Its parameter names
-  (``fused_wqa_wkv``, ``q_norm``, ``wq_b``, ``kv_norm``, ``wo_a``, ``wo_b``, ``attn_sink``,
-  ``compressor.fused_wkv_wgate`` ...) are the ones the plugin's portable layer uses, so one loader serves
-  both. It needs the target's ``topk_indices_buffer`` and vLLM's ``mhc`` ops; ``tests/test_attention_core.py``
-  holds the gfx950-marked checks of what must hold there.
-* ``"portable"`` everywhere else (this CPU, other GPUs): the plugin's :class:`PagedRowCache` below plus the
-  PyTorch maths of ``vllm_dsv4_mtp/model/attention.py``.
+"""The portable attention core: DeepSeek-V4 layers' rows in vLLM's paged KV cache.
 
 The portable core keeps, per layer and per token, one *row* in a standard paged cache
 (``FullAttentionSpec``, one KV head, ``head_size`` = row width, no V): the roped latent ``kv`` (512) and,
@@ -53,58 +40,6 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 PORTABLE_BACKEND_NAME = "DSV4_MTP_PORTABLE"
-
-# The attention implementations the seam can pick.
-PORTABLE = "portable"
-ROCM_IN_TREE = "rocm_in_tree"
-
-
-def is_gfx950() -> bool:
-    """True on an AMD MI350/MI355 (gfx950) GPU with a ROCm build of vLLM."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_rocm():
-        return False
-    from vllm.platforms.rocm import on_gfx950
-
-    return bool(on_gfx950())
-
-
-def attention_impl_for_platform(gfx950: bool | None = None) -> str:
-    """``"rocm_in_tree"`` on gfx950, ``"portable"`` elsewhere. ``gfx950=None`` asks the running platform.
-
-    ``VLLM_DSV4_MTP_ATTENTION=portable`` forces the portable path on gfx950 too (for debugging it there).
-    """
-    import os
-
-    forced = os.environ.get("VLLM_DSV4_MTP_ATTENTION", "")
-    if forced not in ("", PORTABLE):
-        raise ValueError(f"VLLM_DSV4_MTP_ATTENTION must be unset or 'portable', got {forced!r}")
-    if forced == PORTABLE:
-        return PORTABLE
-    if gfx950 is None:
-        gfx950 = is_gfx950()
-    return ROCM_IN_TREE if gfx950 else PORTABLE
-
-
-def make_attention_layer(vllm_config: VllmConfig, *, compress_ratio: int, prefix: str,
-                         topk_indices_buffer: torch.Tensor | None = None) -> nn.Module:
-    """The attention layer of one block, for this platform. Both kinds are called ``attn(positions, x)``.
-
-    * portable: ``vllm_dsv4_mtp.model.attention.DeepseekV4Attention`` over :class:`PagedRowCache`;
-    * rocm_in_tree (gfx950): ``vllm.models.deepseek_v4.amd.rocm.DeepseekV4ROCMAiterMLAAttention(vllm_config,
-      prefix=prefix, topk_indices_buffer=...)``, where ``topk_indices_buffer`` is the model-wide
-      ``[max_num_batched_tokens, index_topk]`` int32 buffer its C4 indexer fills (the caller allocates one per
-      model, as vLLM's in-tree model does). It reads the compress ratio from ``hf_config.compress_ratios``
-      (MTP layers: SWA).
-    """
-    if attention_impl_for_platform() == ROCM_IN_TREE:
-        from vllm.models.deepseek_v4.amd.rocm import DeepseekV4ROCMAiterMLAAttention
-
-        return DeepseekV4ROCMAiterMLAAttention(vllm_config, prefix=prefix, topk_indices_buffer=topk_indices_buffer)
-    from vllm_dsv4_mtp.model.attention import DeepseekV4Attention
-
-    return DeepseekV4Attention(vllm_config, compress_ratio=compress_ratio, prefix=prefix)
 
 
 def layer_row_width(compress_ratio: int, head_dim: int, index_head_dim: int) -> int:

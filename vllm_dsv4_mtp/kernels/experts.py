@@ -1,21 +1,5 @@
-"""THE expert-GEMM seam: which implementation runs the routed experts of a DeepSeek-V4 MoE layer.
-
-:func:`select_experts_impl` is the only place the choice is made:
-
-===================  =====================================  ==========================================
-platform             MXFP4 (Quark OCP-MX) experts           BF16 experts
-===================  =====================================  ==========================================
-gfx950 (MI350/355)   ``fused_moe``: vLLM ``FusedMoE`` with   ``fused_moe``: vLLM ``FusedMoE``,
-                     ``QuarkOCP_MX_MoEMethod`` (AITER CK    unquantized method
-                     W4A4, ``VLLM_ROCM_USE_AITER=1``)
-elsewhere (CPU ...)  ``portable_mxfp4``: :class:`Mxfp4Experts`  ``portable_bf16``: :class:`DenseExperts`
-===================  =====================================  ==========================================
-
-All implementations take the same inputs (``x [T, D]`` plus the router's ``weights [T, k]`` and
-``ids [T, k]``) and hold the same parameter names as vLLM's ``FusedMoE`` (``w13_weight`` = [w1; w3] rows,
-``w2_weight``, and for MXFP4 ``w13_weight_scale`` / ``w2_weight_scale`` as raw E8M0 bytes), so one loader
-serves every platform. Tensor parallelism splits the intermediate dim (like ``FusedMoE``'s TP); the caller
-all-reduces.
+"""The portable routed experts of a DeepSeek-V4 MoE layer: BF16 (:class:`DenseExperts`) or OCP MXFP4
+(:class:`Mxfp4Experts`).
 
 The portable MXFP4 method decodes the packed weights exactly (``vllm_dsv4_mtp.formats.mxfp4.dequantize``)
 and reproduces the W4A4 activation rounding of the Quark scheme (dynamic MXFP4 on the input of each GEMM,
@@ -31,24 +15,14 @@ from torch import nn
 
 from vllm_dsv4_mtp.formats import mxfp4
 
-FUSED_MOE = "fused_moe"
 PORTABLE_MXFP4 = "portable_mxfp4"
 PORTABLE_BF16 = "portable_bf16"
 
 
-def select_experts_impl(expert_format: str, *, gfx950: bool | None = None) -> str:
-    """The routed-expert implementation for ``expert_format`` ("bf16" | "mxfp4") on this platform.
-
-    ``gfx950=None`` asks the running platform (see ``kernels.attention_core.is_gfx950``).
-    """
+def select_experts_impl(expert_format: str) -> str:
+    """The routed-expert implementation for ``expert_format`` ("bf16" | "mxfp4")."""
     if expert_format not in ("bf16", "mxfp4"):
         raise ValueError(f"unknown routed-expert format {expert_format!r}; expected 'bf16' or 'mxfp4'")
-    if gfx950 is None:
-        from vllm_dsv4_mtp.kernels.attention_core import is_gfx950
-
-        gfx950 = is_gfx950()
-    if gfx950:
-        return FUSED_MOE
     return PORTABLE_MXFP4 if expert_format == "mxfp4" else PORTABLE_BF16
 
 
@@ -215,20 +189,8 @@ class Mxfp4Experts(_ExpertsBase):
 
 
 def make_routed_experts(impl: str, *, num_experts: int, hidden_size: int, intermediate_size: int,
-                        swiglu_limit: float, tp_rank: int, tp_size: int, fused_moe_kwargs: dict | None = None,
-                        activation_quant: bool = True) -> nn.Module:
-    """Build the routed experts for an implementation chosen by :func:`select_experts_impl`.
-
-    ``fused_moe`` (gfx950) builds ``vllm.model_executor.layers.fused_moe.FusedMoEFactory(**fused_moe_kwargs)``
-    with ``quant_config`` = the checkpoint's ``QuarkConfig`` (its OCP-MX method then runs AITER's CK W4A4
-    grouped GEMM) and the DeepSeek-V4 router arguments (``scoring_func="sqrtsoftplus"``,
-    ``e_score_correction_bias``, ``hash_indices_table``, ``swiglu_limit``, ``routed_scaling_factor``):
-    FusedMoE then routes internally with the same rule as the plugin's router.
-    """
-    if impl == FUSED_MOE:
-        from vllm.model_executor.layers.fused_moe import FusedMoEFactory
-
-        return FusedMoEFactory(**(fused_moe_kwargs or {}))
+                        swiglu_limit: float, tp_rank: int, tp_size: int, activation_quant: bool = True) -> nn.Module:
+    """Build the routed experts for an implementation chosen by :func:`select_experts_impl`."""
     common = dict(num_experts=num_experts, hidden_size=hidden_size, intermediate_size=intermediate_size,
                   swiglu_limit=swiglu_limit, tp_rank=tp_rank, tp_size=tp_size)
     if impl == PORTABLE_MXFP4:

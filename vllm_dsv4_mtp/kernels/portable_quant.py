@@ -69,7 +69,7 @@ class PortableDeepseekV4QuantConfig(QuantizationConfig):
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
         if user_quant not in (None, NAME):
             return None
-        from vllm_dsv4_mtp.kernels.attention_core import is_gfx950
+        from vllm_dsv4_mtp.platform import is_gfx950
 
         return NAME if claims(hf_quant_cfg, hf_config, gfx950=is_gfx950()) else None
 

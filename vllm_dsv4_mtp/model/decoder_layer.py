@@ -15,12 +15,9 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 
-from vllm_dsv4_mtp.kernels.attention_core import make_attention_layer
+from vllm_dsv4_mtp.model.attention import DeepseekV4Attention
 from vllm_dsv4_mtp.model.hyper_connection import HyperConnection
 from vllm_dsv4_mtp.model.moe import DeepseekV4MoE
-
-# default of ``moe_quant_config``: use ``vllm_config.quant_config`` (the target's layers)
-_FROM_VLLM_CONFIG = object()
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -30,27 +27,19 @@ class DeepseekV4DecoderLayer(nn.Module):
         compress_ratio: 0 (SWA), 4 (C4 + indexer) or another ratio (C128-style); MTP blocks pass 0.
         is_hash: hash-routed MoE (``gate.tid2eid``) instead of bias-routed.
         expert_format: "bf16" | "mxfp4" routed experts (see ``kernels/experts.py``).
-        moe_quant_config: the quant config of the routed experts' ``FusedMoE`` (gfx950 path); default
-            ``vllm_config.quant_config``. The MTP draft passes None (BF16 by policy).
-        topk_indices_buffer: the model-wide indexer buffer of vLLM's in-tree ROCm attention (gfx950 only).
         shared_format: "bf16" (also FP8 checkpoints, decoded at load) | "mxfp4" (AMD export's main layers).
     """
 
     def __init__(self, vllm_config: VllmConfig, *, compress_ratio: int, is_hash: bool, expert_format: str,
-                 prefix: str, activation_quant: bool = True, moe_quant_config: object = _FROM_VLLM_CONFIG,
-                 topk_indices_buffer: torch.Tensor | None = None, shared_format: str = "bf16"):
+                 prefix: str, activation_quant: bool = True, shared_format: str = "bf16"):
         super().__init__()
-        # the MTP draft passes moe_quant_config=None: its experts stay BF16 whatever the target's quant config
-        moe_qc = vllm_config.quant_config if moe_quant_config is _FROM_VLLM_CONFIG else moe_quant_config
         config = vllm_config.model_config.hf_config
         d, hc, eps = config.hidden_size, config.hc_mult, config.rms_norm_eps
         iters = getattr(config, "hc_sinkhorn_iters", 20)
         hc_eps = getattr(config, "hc_eps", 1e-6)
-        # the attention seam: portable PyTorch attention, or vLLM's in-tree ROCm kernels on gfx950
-        self.attn = make_attention_layer(vllm_config, compress_ratio=compress_ratio, prefix=f"{prefix}.attn",
-                                         topk_indices_buffer=topk_indices_buffer)
+        self.attn = DeepseekV4Attention(vllm_config, compress_ratio=compress_ratio, prefix=f"{prefix}.attn")
         self.ffn = DeepseekV4MoE(config, is_hash=is_hash, expert_format=expert_format, prefix=f"{prefix}.ffn",
-                                 activation_quant=activation_quant, quant_config=moe_qc, shared_format=shared_format)
+                                 activation_quant=activation_quant, shared_format=shared_format)
         self.attn_norm = RMSNorm(d, eps=eps)
         self.ffn_norm = RMSNorm(d, eps=eps)
         self.hc_attn = HyperConnection(d, hc, iters, hc_eps, eps)

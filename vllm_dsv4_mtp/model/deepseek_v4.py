@@ -27,7 +27,6 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec, weight_slots
-from vllm_dsv4_mtp.kernels.attention_core import ROCM_IN_TREE, attention_impl_for_platform
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.weights import Target, map_native_name
@@ -106,20 +105,12 @@ class DeepseekV4Model(nn.Module):
         self.hc_mult = spec.hc_mult
         self.hidden_size = spec.hidden_size
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, prefix=f"{prefix}.embed_tokens")
-        # the in-tree ROCm attention (gfx950) writes its C4 indexer picks into one model-wide buffer
-        self.topk_indices_buffer = None
-        if attention_impl_for_platform() == ROCM_IN_TREE:
-            self.topk_indices_buffer = torch.empty(
-                vllm_config.scheduler_config.max_num_batched_tokens, spec.index_topk, dtype=torch.int32,
-                device=vllm_config.device_config.device,
-            )
         layers = []
         for i in range(spec.num_hidden_layers):
             expert_format, act_quant = routed_expert_quant(config, spec.layer_prefix(i))
             layers.append(DeepseekV4DecoderLayer(
                 vllm_config, compress_ratio=spec.compress_ratio(i), is_hash=spec.is_hash_layer(i),
                 expert_format=expert_format, activation_quant=act_quant, prefix=f"{prefix}.layers.{i}",
-                topk_indices_buffer=self.topk_indices_buffer,
                 shared_format=shared_expert_format(config, spec.layer_prefix(i)),
             ))
         self.layers = nn.ModuleList(layers)
@@ -184,7 +175,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         return {
             "class": f"{type(self).__module__}.{type(self).__name__}",
             "dtype": str(self.lm_head.weight.dtype),
-            "attention": attention_impl_for_platform(),
+            "attention": "portable",
             "compress_ratios": [layer.attn.compress_ratio for layer in layers],
             "hash_layers": [i for i, layer in enumerate(layers) if layer.ffn.gate.is_hash],
             "experts": [layer.ffn.experts_impl for layer in layers],

@@ -8,7 +8,7 @@ Router, per token (float32)::
     w   = s[ids] / sum(s[ids]) * routed_scaling_factor
 
 Every expert (routed and shared) is ``w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))`` with ``L = swiglu_limit``;
-the output is ``sum_k w_k expert_k(x) + shared(x)``. The routed-expert GEMMs are the platform seam
+the output is ``sum_k w_k expert_k(x) + shared(x)``. The routed-expert GEMMs are in
 ``vllm_dsv4_mtp.kernels.experts``.
 """
 
@@ -25,7 +25,6 @@ from vllm.distributed import (
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 from vllm_dsv4_mtp.kernels.experts import (
-    FUSED_MOE,
     Mxfp4Experts,
     make_routed_experts,
     select_experts_impl,
@@ -121,7 +120,7 @@ class DeepseekV4MoE(nn.Module):
     """One MoE layer (native ``layers.N.ffn.*``): router, routed experts (platform seam), shared expert."""
 
     def __init__(self, config, *, is_hash: bool, expert_format: str, prefix: str, activation_quant: bool = True,
-                 quant_config=None, shared_format: str = "bf16"):
+                 shared_format: str = "bf16"):
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
         self.tp_size = tp_size
@@ -144,29 +143,14 @@ class DeepseekV4MoE(nn.Module):
             raise ValueError(f"{prefix}.shared_experts: unsupported storage {shared_format!r} (bf16 or mxfp4)")
         self.experts_impl = select_experts_impl(expert_format)
         self.expert_format = expert_format
-        fused_kwargs = None
-        if self.experts_impl == FUSED_MOE:
-            fused_kwargs = dict(
-                num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
-                hidden_size=config.hidden_size, intermediate_size=config.moe_intermediate_size,
-                renormalize=getattr(config, "norm_topk_prob", True), quant_config=quant_config,
-                prefix=f"{prefix}.experts", scoring_func=getattr(config, "scoring_func", "sqrtsoftplus"),
-                routed_scaling_factor=config.routed_scaling_factor,
-                e_score_correction_bias=self.gate.e_score_correction_bias, hash_indices_table=self.gate.tid2eid,
-                swiglu_limit=config.swiglu_limit, router_logits_dtype=torch.float32,
-                shared_experts=self.shared_experts, gate=self.gate,
-            )
         self.experts = make_routed_experts(
             self.experts_impl, num_experts=config.n_routed_experts, hidden_size=config.hidden_size,
             intermediate_size=config.moe_intermediate_size, swiglu_limit=config.swiglu_limit,
-            tp_rank=get_tensor_model_parallel_rank(), tp_size=tp_size, fused_moe_kwargs=fused_kwargs,
-            activation_quant=activation_quant,
+            tp_rank=get_tensor_model_parallel_rank(), tp_size=tp_size, activation_quant=activation_quant,
         )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """``x: [T, D]`` (the normed sub-layer input), ``input_ids: [T]`` -> ``[T, D]``."""
-        if self.experts_impl == FUSED_MOE:  # routes internally, shared expert included
-            return self.experts(hidden_states=x, router_logits=x, input_ids=input_ids)
         weights, ids = self.gate(x, input_ids)
         out = self.experts(x, weights, ids) + self.shared_experts(x)
         if self.tp_size > 1:

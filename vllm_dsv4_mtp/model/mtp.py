@@ -45,7 +45,6 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec, weight_slots
-from vllm_dsv4_mtp.kernels.attention_core import ROCM_IN_TREE, attention_impl_for_platform
 from vllm_dsv4_mtp.model import mtp_policy
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.deepseek_v4 import spec_from_hf_config
@@ -89,8 +88,7 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
     ``hc_head`` (``fn [hc, hc*D]``, ``base [hc]``, ``scale [1]``), ``shared_head.norm [D]``.
     """
 
-    def __init__(self, vllm_config: VllmConfig, spec: DeepseekV4Spec, layer_id: int, prefix: str,
-                 topk_indices_buffer: torch.Tensor | None = None):
+    def __init__(self, vllm_config: VllmConfig, spec: DeepseekV4Spec, layer_id: int, prefix: str):
         super().__init__()
         d, eps = spec.hidden_size, spec.rms_norm_eps
         self.hidden_size = d
@@ -104,8 +102,7 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
         # vLLM's convention (and REF's): the MTP block is SWA (compress ratio 0) and never hash-routed
         self.mtp_block = DeepseekV4DecoderLayer(
             vllm_config, compress_ratio=spec.compress_ratio(layer_id), is_hash=spec.is_hash_layer(layer_id),
-            expert_format="bf16", prefix=f"{prefix}.mtp_block", moe_quant_config=None,
-            topk_indices_buffer=topk_indices_buffer,
+            expert_format="bf16", prefix=f"{prefix}.mtp_block",
         )
         self.hc_head = HyperHead(d, spec.hc_mult, spec.hc_eps, eps)
         self.shared_head = SharedHead(d, eps)
@@ -149,17 +146,8 @@ class DeepSeekV4MultiTokenPredictor(nn.Module):
         self.mtp_start_layer_idx = spec.num_hidden_layers
         self.num_mtp_layers = spec.num_nextn_predict_layers
         self.embed_tokens: nn.Module | None = None  # vLLM's proposer shares the target's
-        # vLLM's in-tree ROCm attention (gfx950) takes a model-wide indexer buffer even on SWA layers; the
-        # proposer replaces it with the target's (``_maybe_share_lm_head``), as for vLLM's own MTP draft
-        self.topk_indices_buffer = None
-        if attention_impl_for_platform() == ROCM_IN_TREE:
-            self.topk_indices_buffer = torch.empty(
-                vllm_config.scheduler_config.max_num_batched_tokens, spec.index_topk, dtype=torch.int32,
-                device=vllm_config.device_config.device,
-            )
         self.layers = nn.ModuleDict({
-            str(i): DeepSeekV4MultiTokenPredictorLayer(vllm_config, spec, i, prefix=f"{prefix}.layers.{i}",
-                                                       topk_indices_buffer=self.topk_indices_buffer)
+            str(i): DeepSeekV4MultiTokenPredictorLayer(vllm_config, spec, i, prefix=f"{prefix}.layers.{i}")
             for i in range(spec.num_hidden_layers, spec.num_layers_total)
         })
 
@@ -243,7 +231,7 @@ class DeepSeekV4MTPModel(nn.Module):
             "class": f"{type(self).__module__}.{type(self).__name__}",
             "dtype": str(self.dtype),
             "layers": sorted(int(k) for k in self.model.layers),
-            "attention": attention_impl_for_platform(),
+            "attention": "portable",
             "compress_ratio": getattr(layer.mtp_block.attn, "compress_ratio", None),
             "hash_routed": layer.mtp_block.ffn.gate.is_hash,
             "experts": layer.mtp_block.ffn.experts_impl,

@@ -1,19 +1,23 @@
-"""The portable attention core: platform choice, row widths, and the paged addressing.
+"""The portable attention core: platform choice, row widths, and the step's paged addressing.
 
-The addressing test drives :meth:`PagedRowCache.run` with the metadata vLLM's runner would build for a batch
-mixing a chunked prefill continuation, a fresh prefill, a decode, a 3-token speculative verify and a padding
-request, over a shuffled block table: every request must see exactly its own rows of positions 0..L-1, in
-order, including rows written in earlier steps; rows beyond ``seq_len`` (rejected drafts) are never read.
+The addressing tests build :class:`PortableAttentionMetadata` the way vLLM's runner would for a batch mixing a
+chunked-prefill continuation, a fresh prefill, a decode, a 3-token speculative verify and a padding request
+(plus a padding token), over a shuffled block table, write identifiable rows through :class:`PagedRowCache`,
+and check that every query addresses exactly the rows of its own sequence it may see: the window, the rows
+holding compressed entries (the completing token of each complete block), and, for the blocks the step
+completes, the rows they pool; rows beyond ``seq_len`` (rejected drafts) are never addressed.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from vllm_dsv4_mtp.kernels import attention_core as ac
+from vllm_dsv4_mtp.kernels.attention_metadata import SEGMENT, PortableAttentionMetadata
 
 
 def test_platform_choice():
@@ -33,10 +37,27 @@ def test_row_widths():
     assert ac.cache_row_width([0, 0], 512, 128) == 512
 
 
+def test_entries_live_in_channels_only_their_own_block_reads():
+    d, di = 512, 128
+    # C4 row: kv [0, d) | c [d, 3d) | z [3d, 5d) | c_I [5d, 5d + 2dI) | z_I [.., 5d + 4dI)
+    c4 = ac.entry_channels(4, d, di)
+    assert c4 == {"kv": 0, "cz": d, "entry": 2 * d, "icz": 5 * d, "ikey": 5 * d + di}
+    # the entry overwrites c[d:2d] (second half: pooled only into the row's own block), the key c_I[dI:2dI]
+    assert c4["entry"] == c4["cz"] + d and c4["ikey"] == c4["icz"] + di
+    assert c4["ikey"] + di <= ac.layer_row_width(4, d, di)
+    c128 = ac.entry_channels(128, d, di)
+    assert c128 == {"kv": 0, "cz": d, "entry": d}  # c[0:d] of the completing row (disjoint blocks)
+    assert ac.entry_channels(0, d, di) == {"kv": 0}
+
+
+def _vllm_config(block_size, dtype=torch.float32, ctx=None):
+    return SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto", block_size=block_size),
+                           model_config=SimpleNamespace(dtype=dtype),
+                           compilation_config=SimpleNamespace(static_forward_context={} if ctx is None else ctx))
+
+
 def _core(cache_width=8, block_size=4, num_blocks=12):
-    vc = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto", block_size=block_size),
-                         model_config=SimpleNamespace(dtype=torch.float32),
-                         compilation_config=SimpleNamespace(static_forward_context={}))
+    vc = _vllm_config(block_size)
     core = ac.PagedRowCache(row_width=6, cache_width=cache_width, prefix="model.layers.0.attn", vllm_config=vc)
     assert vc.compilation_config.static_forward_context["model.layers.0.attn"] is core
     spec = core.get_kv_cache_spec(vc)
@@ -49,76 +70,149 @@ def _row(req, pos, version=0.0):
     return torch.tensor([req, pos, req * 1000 + pos, version, 2.0, 3.0])
 
 
-def test_paged_rows_for_mixed_batches():
-    core = _core()
-    bs = 4
-    # request -> its blocks (shuffled physical ids)
-    tables = {0: [7, 2, 9], 1: [4, 11], 2: [0, 5, 3], 3: [10, 1, 6, 8]}
-    written = {r: 0 for r in tables}
+class _Steps:
+    """Drives one core through steps of a batch; rows carry (request, position, version)."""
 
-    def step(batch, version=0.0):
-        """batch: list of (req, n_new_tokens) or (None, 0) padding; returns what each request saw."""
-        rows, slots, qsl, seq_lens, tab = [], [], [0], [], []
+    bs = 4
+    tables = {0: [7, 2, 9], 1: [4, 11], 2: [0, 5, 3], 3: [10, 1, 6, 8]}  # request -> shuffled blocks
+
+    def __init__(self):
+        self.core = _core()
+        self.written = {r: 0 for r in self.tables}
+
+    def step(self, batch, version=0.0):
+        """batch: list of (req, n_new_tokens) or (None, 0) padding; returns (metadata, request of each token)."""
+        rows, slots, qsl, seq_lens, tab, owner = [], [], [0], [], [], []
         for req, n in batch:
-            t = tables.get(req, [0])
+            t = self.tables.get(req, [0])
             tab.append(t + [0] * (4 - len(t)))
-            start = written.get(req, 0)
+            start = self.written.get(req, 0)
             for p in range(start, start + n):
                 rows.append(_row(req, p, version))
-                slots.append(t[p // bs] * bs + p % bs)
+                slots.append(t[p // self.bs] * self.bs + p % self.bs)
+                owner.append(req)
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-        rows.append(torch.zeros(6))  # a padded token slot
-        slots.append(-1)
-        md = ac.PortableAttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens,
-                                          block_table=torch.tensor(tab, dtype=torch.int32),
-                                          slot_mapping=torch.tensor(slots, dtype=torch.int64),
-                                          num_actual_tokens=len(slots))
-        seen = {}
-        out = torch.zeros(len(slots), 1)
-
-        def fn(seq_rows, tokens):
-            req = int(seq_rows[0, 0])
-            seen[req] = (seq_rows.clone(), tokens)
-            return torch.ones(tokens.stop - tokens.start, 1)
-
-        core.run(md, torch.stack(rows), out, fn)
+        slots.append(-1)  # a padded token slot
+        md = PortableAttentionMetadata.create(
+            query_start_loc=np.array(qsl), seq_lens=np.array(seq_lens), block_table=np.array(tab),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64), num_actual_tokens=len(slots),
+            block_size=self.bs, device=torch.device("cpu"))
+        self.core.write(md, torch.stack(rows + [torch.full((6,), 99.0)]))
         for req, n in batch:
             if req is not None:
-                written[req] += n
-        return seen, out
+                self.written[req] += n
+        return md, owner
 
-    step([(0, 6), (1, 3)])  # prefills (request 0's first chunk)
-    seen, out = step([(0, 5), (2, 9), (1, 1), (None, 0)])  # chunk continuation, fresh prefill, decode, padding
-    for req, L in ((0, 11), (2, 9), (1, 4)):
-        rows, _ = seen[req]
-        assert torch.equal(rows, torch.stack([_row(req, p) for p in range(L)]))
-    assert out[:-1].eq(1).all() and out[-1].eq(0).all()  # the padded token is left alone
-    # speculative verify: 1 + 2 drafts (positions 4, 5, 6), both drafts rejected; the next step recomputes
-    # position 5 with the corrected token (new row content), and the stale draft row of position 6 stays in
-    # the cache beyond seq_len: it must never be read
-    step([(1, 3)], version=7.0)
-    written[1] -= 2
-    seen, _ = step([(1, 1), (3, 13)], version=9.0)
-    rows, tokens = seen[1]
-    want = [_row(1, p) for p in range(4)] + [_row(1, 4, 7.0), _row(1, 5, 9.0)]
-    assert torch.equal(rows, torch.stack(want))
-    assert tokens == slice(0, 1)
-    assert torch.equal(seen[3][0], torch.stack([_row(3, p, 9.0) for p in range(13)]))
+    def seen(self, slots, hidden=None):
+        """(request, position, version) of the rows at ``slots`` not hidden, in order."""
+        rows = self.core.gather(slots, 0, 6)
+        keep = torch.ones(slots.shape, dtype=torch.bool) if hidden is None else ~hidden
+        return [(int(r[0]), int(r[1]), float(r[3])) for r in rows[keep]]
+
+
+def _queries(md, owner):
+    """(token, request, position, segment, offset) of every real token, through the segment layout."""
+    s = md.seg_len
+    out_idx = torch.arange(md.num_tokens) if md.output_index is None else md.output_index
+    q_idx = torch.arange(md.num_segments * s) if md.query_index is None else md.query_index
+    res = []
+    for t in range(md.num_tokens):
+        g, o = divmod(int(out_idx[t]), s)
+        assert int(q_idx[g * s + o]) == t  # gathering into segments and back is the identity
+        res.append((t, owner[t], int(md.positions[t]), g, o))
+    return res
+
+
+def test_addressing_of_a_mixed_batch():
+    st = _Steps()
+    st.step([(0, 6), (1, 3)])  # prefills (request 0's first chunk)
+    md, owner = st.step([(0, 5), (2, 9), (1, 1), (None, 0)])  # chunk continuation, prefill, decode, padding
+    assert md.num_tokens == 15 and md.num_actual_tokens == 16
+    assert md.positions.tolist() == list(range(6, 11)) + list(range(9)) + [3]
+    assert md.seg_len == min(9, SEGMENT) and md.num_segments == 3
+    # the padded token is not stored; the real ones are, at their slots
+    assert st.seen(torch.tensor([7 * 4 + 2, 2 * 4 + 2, 9 * 4 + 2])) == [(0, 2, 0.0), (0, 6, 0.0), (0, 10, 0.0)]
+    win, w = md.window(5), 5
+    for ratio in (4, 3):
+        ent = md.entries(ratio)
+        for t, req, p, g, o in _queries(md, owner):
+            assert st.seen(win.slots[g], win.hidden[g, o]) == [(req, k, 0.0) for k in range(max(0, p - w + 1), p + 1)]
+            want = [(req, ratio * j + ratio - 1, 0.0) for j in range((p + 1) // ratio)]
+            assert st.seen(ent.slots[g], ent.hidden[g, o]) == want
+            assert int(ent.limit[g, o, 0]) == len(want)
+        done = md.completions(ratio, 2 * ratio)
+        ends = [(req, p) for _, req, p, _, _ in _queries(md, owner) if p % ratio == ratio - 1]
+        assert len(done.dst) == len(ends)
+        for m, (req, p) in enumerate(ends):
+            assert st.seen(done.dst[m : m + 1]) == [(req, p, 0.0)]
+            assert st.seen(done.row_slots[m], ~done.row_valid[m, :, 0]) == [
+                (req, k, 0.0) for k in range(max(0, p - 2 * ratio + 1), p + 1)]
+            assert int(done.block_pos[m]) == p - ratio + 1
+    assert md.completions(16, 16) is None  # no token of this step closes a block of 16
+
+
+def test_rows_of_rejected_drafts_are_never_addressed():
+    st = _Steps()
+    st.step([(0, 6), (1, 3)])
+    st.step([(0, 5), (2, 9), (1, 1)])
+    # speculative verify: 1 + 2 drafts at positions 4, 5, 6 (the draft at 6 closes a block of 7 and of 3 and
+    # 5 one of 2), both drafts rejected; the next step recomputes position 5 with the corrected token (new row
+    # content) and the stale draft row of position 6 stays in the cache beyond seq_len
+    st.step([(1, 3)], version=7.0)
+    st.written[1] -= 2
+    md, owner = st.step([(1, 1), (3, 13)], version=9.0)
+    assert md.seg_len == 13
+    for ratio in (4, 3, 2):
+        ent = md.entries(ratio)
+        win = md.window(64)
+        for t, req, p, g, o in _queries(md, owner):
+            seen = st.seen(win.slots[g], win.hidden[g, o]) + st.seen(ent.slots[g], ent.hidden[g, o])
+            assert all(k <= p for _, k, _ in seen)
+            if req == 1:
+                assert (1, 6, 7.0) not in seen and (1, 5, 9.0) in seen and (1, 4, 7.0) in seen
+            # every addressed row, hidden or not, belongs to the query's own sequence (finite, written rows)
+            assert {r for r, _, _ in st.seen(win.slots[g]) + st.seen(ent.slots[g])} == {req}
+    # the corrected position 5 closes a block of 2: pooled from the accepted rows only
+    done = md.completions(2, 4)
+    assert st.seen(done.row_slots[0], ~done.row_valid[0, :, 0]) == [(1, 2, 0.0), (1, 3, 0.0), (1, 4, 7.0), (1, 5, 9.0)]
+
+
+def test_decode_steps_use_the_identity_layout():
+    st = _Steps()
+    st.step([(0, 6), (1, 3), (2, 2)])
+    md, owner = st.step([(0, 1), (1, 1), (None, 0), (2, 1)])
+    assert md.seg_len == 1 and md.num_segments == 3
+    assert md.query_index is None and md.output_index is None
+    assert md.positions.tolist() == [6, 3, 2]
+
+
+def test_positions_must_match_the_addressing():
+    st = _Steps()
+    md, _ = st.step([(0, 6)])
+    md.check_positions(torch.arange(6))
+    md2, _ = st.step([(0, 2)])
+    with pytest.raises(ValueError, match="positions differ from seq_lens - query_lens"):
+        md2.check_positions(torch.tensor([6, 8]))
+
+
+def test_segment_groups_bound_the_intermediates():
+    st = _Steps()
+    md, _ = st.step([(3, 13), (0, 6), (1, 3)])
+    assert md.segment_groups(10, 1000) == [(0, md.num_segments)]
+    assert md.segment_groups(400, 1000) == [(0, 2), (2, 3)]
+    assert md.segment_groups(10_000, 1000) == [(0, 1), (1, 2), (2, 3)]  # at least one segment per group
 
 
 def test_kv_cache_dtype_other_than_model_dtype_is_refused():
-    vc = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8", block_size=16),
-                         model_config=SimpleNamespace(dtype=torch.bfloat16),
-                         compilation_config=SimpleNamespace(static_forward_context={}))
+    vc = _vllm_config(16, dtype=torch.bfloat16)
+    vc.cache_config.cache_dtype = "fp8"
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported by the portable DeepSeek-V4"):
         ac.PagedRowCache(row_width=6, cache_width=8, prefix="model.layers.0.attn", vllm_config=vc)
 
 
 def test_duplicate_layer_name_is_refused():
     core = _core()
-    vc = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto", block_size=4),
-                         model_config=SimpleNamespace(dtype=torch.float32),
-                         compilation_config=SimpleNamespace(static_forward_context={"model.layers.0.attn": core}))
+    vc = _vllm_config(4, ctx={"model.layers.0.attn": core})
     with pytest.raises(ValueError, match="Duplicate attention layer name 'model.layers.0.attn'"):
         ac.PagedRowCache(row_width=6, cache_width=8, prefix="model.layers.0.attn", vllm_config=vc)

@@ -133,14 +133,11 @@ def _attention_pair(tmp_path, ratios, lid, seed):
 
 
 def _ours_full(mine, x, pos, chunks=None):
-    q, qr, rows = mine.project(x, pos)
-    iq = iw = None
-    if mine.indexer is not None:
-        iq, iw = mine.indexer.queries(qr, x, pos, mine.rope)
-    chunks = chunks or [(0, x.shape[0])]
-    outs = [mine.attend_sequence(q[a:b], pos[a:b], rows[:b], None if iq is None else iq[a:b],
-                                 None if iw is None else iw[a:b]) for a, b in chunks]
-    return mine.output(torch.cat(outs))
+    """The layer over one sequence through its paged cache (``tests/paged_layer.py``), in ``chunks`` steps."""
+    from paged_layer import run_in_chunks
+
+    assert torch.equal(pos, torch.arange(x.shape[0]))
+    return run_in_chunks(mine, x, chunks)
 
 
 @pytest.mark.parametrize("ratios,lid", [
@@ -178,17 +175,71 @@ def test_attention_chunked_queries_equal_full(vllm_dist, tmp_path):
     torch.testing.assert_close(pieces, full, atol=1e-5, rtol=0)
 
 
+def test_batched_sequences_equal_each_alone(vllm_dist, tmp_path):
+    """One step over several sequences at once (a prefill, a chunk continuation, decodes, a verify window,
+    segments of different lengths) gives each sequence what it gets alone, for every layer type."""
+    from paged_layer import PagedSequences
+
+    for ratios, lid in (([0, 4, 128, 4, 0], 0), ([0, 4, 128, 4, 0], 1), ([0, 4, 8, 4, 0], 2)):
+        cfg, _, _, mine = _attention_pair(tmp_path, ratios, lid, seed=11 + lid)
+        g = torch.Generator().manual_seed(lid)
+        xs = {s: torch.randn(n, cfg["hidden_size"], generator=g) for s, n in (("a", 300), ("b", 180), ("c", 90))}
+        alone = {s: _ours_full(mine, x, torch.arange(x.shape[0])) for s, x in xs.items()}
+        seqs = PagedSequences(mine, seed=3)
+        plan = [[("a", 0, 150), ("b", 0, 131)], [("a", 150, 151), ("b", 131, 170), ("c", 0, 60)],
+                [("c", 60, 61), ("a", 151, 154), ("b", 170, 171)], [("a", 154, 300), ("b", 171, 180), ("c", 61, 90)]]
+        got = {s: [] for s in xs}
+        for step in plan:
+            for (s, _, _), out in zip(step, seqs.step([(s, xs[s][a:b]) for s, a, b in step])):
+                got[s].append(out)
+        for s in xs:
+            torch.testing.assert_close(torch.cat(got[s]), alone[s], atol=1e-5, rtol=0)
+
+
+def test_rows_of_rejected_drafts_never_change_a_later_step(vllm_dist, tmp_path):
+    """A verify window whose drafts complete a C4 and a C128 block (positions 127, 128), then rejected: the
+    next step (corrected tokens at those positions) equals a run that never saw the drafts."""
+    from paged_layer import PagedSequences
+
+    for ratios, lid in (([0, 4, 128, 4, 0], 1), ([0, 4, 128, 4, 0], 2)):
+        cfg, _, _, mine = _attention_pair(tmp_path, ratios, lid, seed=21 + lid)
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(140, cfg["hidden_size"], generator=g)
+        drafts = torch.randn(2, cfg["hidden_size"], generator=g) * 3
+        spec = PagedSequences(mine, seed=1)
+        spec.step([("s", x[:126])])
+        spec.step([("s", torch.cat([x[126:127], drafts]))])  # verify: the real token at 126, drafts at 127, 128
+        spec.rewind("s", 2)  # both drafts rejected
+        later_spec = spec.step([("s", x[127:130])])[0]
+        tail_spec = spec.step([("s", x[130:140])])[0]
+        fresh = PagedSequences(mine, seed=2)
+        fresh.step([("s", x[:126])])
+        fresh.step([("s", x[126:127])])
+        later = fresh.step([("s", x[127:130])])[0]
+        tail = fresh.step([("s", x[130:140])])[0]
+        torch.testing.assert_close(later_spec, later, atol=1e-6, rtol=0)
+        torch.testing.assert_close(tail_spec, tail, atol=1e-6, rtol=0)
+        # the drafts really were completing blocks whose entries differ (so the check above can fail)
+        bad = PagedSequences(mine, seed=1)
+        bad.step([("s", x[:126])])
+        bad.step([("s", torch.cat([x[126:127], drafts]))])
+        wrong = bad.step([("s", x[129:130])])[0]  # a query at 129 that trusts the drafts' rows
+        assert (wrong - later[2:3]).abs().max() > 1e-3
+
+
 def test_indexer_really_selects(vllm_dist, tmp_path):
     """With index_topk=4 the C4 attention depends on which entries the indexer keeps (not all of them)."""
     cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=7)
     x = torch.randn(300, cfg["hidden_size"])
     pos = torch.arange(300)
     with torch.no_grad():
-        y = _ours_full(mine, x, pos)
+        y, y16 = _ours_full(mine, x, pos), _ours_full(mine, x[:16], pos[:16])
         mine.indexer.topk = 10_000  # keep every visible entry instead
-        y_all = _ours_full(mine, x, pos)
+        y_all, y16_all = _ours_full(mine, x, pos), _ours_full(mine, x[:16], pos[:16])
     assert (y - y_all).abs().max() > 1e-3
-    assert torch.equal(y[:16], y_all[:16])  # before 4*4 tokens there are at most 4 entries: nothing to choose
+    # before 4*4 tokens there are at most 4 entries: nothing to choose (over the same 16-token sequence, so the
+    # two runs pad their picks to the same shapes)
+    assert torch.equal(y16, y16_all)
 
 
 # --------------------------------------------------------------------------------------------- MoE

@@ -1,19 +1,35 @@
 """The portable attention core: DeepSeek-V4 layers' rows in vLLM's paged KV cache.
 
-The portable core keeps, per layer and per token, one *row* in a standard paged cache
-(``FullAttentionSpec``, one KV head, ``head_size`` = row width, no V): the roped latent ``kv`` (512) and,
-on compressed layers, the raw compressor projections ``[c | z]`` (and the indexer's). Each step it writes
-the new rows through ``slot_mapping``, then for every request gathers the rows of positions ``0 .. L-1``
-through the block table and hands them to the layer's maths, which rebuilds compressed entries and indexer
-keys from rows. Nothing derived from rows is stored, so the path is correct for batches of sequences of
-any lengths, chunked prefill, decode, speculative verify (rows of rejected drafts lie beyond ``seq_len``
-and are overwritten when those positions are recomputed) and prefix-cache hits (cached blocks hold the
-rows). Costs: each step re-pools a sequence's compressed blocks (O(L) per layer) and runs a Python loop over
-requests; the model runs eagerly (the model class is not ``@support_torch_compile``-decorated, so nothing of
-this is traced; under tracing the cache access would have to sit behind an opaque custom op).
+The portable core keeps, per layer and per token, one *row* in a standard paged cache (``FullAttentionSpec``,
+one KV head, ``head_size`` = row width, no V): the roped latent ``kv`` (``d``) and, on compressed layers, the
+compressor projections ``[c | z]`` (and the indexer's), see :func:`layer_row_width`. All layers pad their rows
+to one width (:func:`cache_row_width`), so the whole model and its MTP draft are one KV-cache group with one
+metadata build per step (``kernels/attention_metadata.py``: every index a layer needs, for all requests at
+once; no layer loops over requests).
 
-All layers pad their rows to one width (:func:`cache_row_width`) so the whole model is one KV-cache group
-with one metadata build per step (the MTP draft's SWA layer uses the same width).
+**Compressed entries are made once and kept in the row of the token that completes their block.** Entry
+``j`` of a layer with ratio ``r`` (and, on C4 layers, the indexer key ``j``) is computed in the step that
+writes position ``r j + r - 1``, from the block's rows (C4 overlaps: blocks ``j - 1`` and ``j``), and stored
+in that token's own row, over channels only that entry reads (:func:`entry_channels`):
+
+* C4: the second halves ``c[d:2d]`` (attention) and ``c_I[dI:2dI]`` (indexer) of the completing row: in the
+  overlapping pool, the second halves of a block's rows feed that block's entry only (block ``j + 1`` reads
+  the first halves of block ``j``'s rows);
+* C128 (any non-overlapping ratio): ``c[0:d]`` of the completing row, whose block is then complete.
+
+So the row width is unchanged, and nothing derived from rows of rejected speculative tokens reaches
+committed state: a query at position ``t`` reads only entries ``j < (t + 1) // r``, stored in rows of positions
+``<= t`` of its own sequence, each written, entry included, in the step that computed that position's token;
+a rejected draft's row (and the entry it completed) lies beyond the new ``seq_len``, is never addressed, and
+is overwritten (raw channels and entry alike) when vLLM recomputes that position. Prefix-cache hits reuse
+full blocks whose rows, entries included, depend only on the hashed tokens before them. Only the open block
+is pooled again, once, by the token that completes it; nothing lives outside the paged cache.
+
+Each step a layer (``model/attention.py``) writes its new rows through ``slot_mapping``, completes the blocks
+its tokens close (gathering their rows), then attends over padded segments of queries: the window keys
+(one contiguous key range per segment), the C128 entries and the C4 indexer's keys, gathered through the
+step's precomputed slots. The model runs eagerly (the model class is not ``@support_torch_compile``-decorated,
+so nothing of this is traced; under tracing the cache access would have to sit behind an opaque custom op).
 
 Chunked prefill and prefix caching are supported. Note that vLLM's CPU platform decides from
 ``model_type: deepseek_v4`` that the model uses MLA and, on CPUs without AMX, forces both features off (and
@@ -23,9 +39,7 @@ uses vLLM's MLA code) keeps them on. ``tests/test_model_engine_chunked.py`` runs
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -38,6 +52,8 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from vllm_dsv4_mtp.kernels.attention_metadata import PortableAttentionMetadata
 
 PORTABLE_BACKEND_NAME = "DSV4_MTP_PORTABLE"
 
@@ -58,19 +74,23 @@ def cache_row_width(compress_ratios: list[int], head_dim: int, index_head_dim: i
     return max(layer_row_width(r, head_dim, index_head_dim) for r in [0, *compress_ratios])
 
 
-@dataclass
-class PortableAttentionMetadata:
-    """Per-step addressing, shared by all layers of the KV-cache group (host lists: free on CPU)."""
-
-    query_start_loc: list[int]  # [num_reqs + 1]
-    seq_lens: list[int]  # [num_reqs], context length including this step's tokens
-    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
-    slot_mapping: torch.Tensor  # [num_actual_tokens] int64, -1 = padding
-    num_actual_tokens: int
+def entry_channels(compress_ratio: int, head_dim: int, index_head_dim: int) -> dict[str, int]:
+    """Where a layer's row keeps its parts (channel offsets): ``kv``, ``cz`` (compressor ``[c | z]``), ``icz``
+    (indexer ``[c | z]``), and in the row of a block's completing token ``entry`` (the compressed entry,
+    ``head_dim`` wide) and ``ikey`` (the indexer key, ``index_head_dim`` wide); see the module docstring."""
+    d, di = head_dim, index_head_dim
+    out = {"kv": 0}
+    if compress_ratio > 1:
+        out["cz"] = d
+        out["entry"] = 2 * d if compress_ratio == 4 else d  # C4: c[d:2d]; otherwise c[0:d]
+    if compress_ratio == 4:
+        out["icz"] = 5 * d
+        out["ikey"] = 5 * d + di  # c_I[dI:2dI]
+    return out
 
 
 class PortableAttentionMetadataBuilder(AttentionMetadataBuilder[PortableAttentionMetadata]):
-    """Turns vLLM's ``CommonAttentionMetadata`` into :class:`PortableAttentionMetadata`."""
+    """Turns vLLM's ``CommonAttentionMetadata`` into :class:`PortableAttentionMetadata` (host addressing)."""
 
     _cudagraph_support = AttentionCGSupport.NEVER
     reorder_batch_threshold = None  # decodes, verifies and prefills may come in any order
@@ -78,19 +98,25 @@ class PortableAttentionMetadataBuilder(AttentionMetadataBuilder[PortableAttentio
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> PortableAttentionMetadata:
         cm = common_attn_metadata
         n = cm.num_reqs
-        return PortableAttentionMetadata(
-            query_start_loc=cm.query_start_loc_cpu[: n + 1].tolist(),
-            seq_lens=cm.seq_lens[:n].cpu().tolist(),
-            block_table=cm.block_table_tensor[:n],
-            slot_mapping=cm.slot_mapping[: cm.num_actual_tokens],
-            num_actual_tokens=cm.num_actual_tokens,
+        # host copies: the drafter updates seq_lens (and its slot buffer) in place after building
+        return PortableAttentionMetadata.create(
+            query_start_loc=_host(cm.query_start_loc_cpu[: n + 1]), seq_lens=_host(cm.seq_lens[:n]),
+            block_table=_host(cm.block_table_tensor[:n]),
+            slot_mapping=cm.slot_mapping, num_actual_tokens=cm.num_actual_tokens,
+            block_size=self.block_size, device=cm.block_table_tensor.device,
         )
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """An int64 host copy of ``t``."""
+    return t.detach().cpu().numpy().astype(np.int64)
 
 
 class PortableAttentionBackend(AttentionBackend):
@@ -114,14 +140,11 @@ class PortableAttentionBackend(AttentionBackend):
         )
 
 
-# per-sequence maths: (rows [L, W] of positions 0..L-1, token slice of this request) -> [q_len, ...]
-SequenceFn = Callable[[torch.Tensor, slice], torch.Tensor]
-
-
 class PagedRowCache(nn.Module, AttentionLayerBase):
     """One layer's rows in vLLM's paged KV cache; registers itself as an attention layer under ``prefix``.
 
-    ``prefix`` (e.g. ``model.layers.3.attn``) must hold exactly one integer: vLLM orders caches by it.
+    ``prefix`` (e.g. ``model.layers.3.attn``) must hold exactly one integer: vLLM orders caches by it. The
+    bound cache is ``[num_blocks, 1, block_size, cache_width]``; slot ``s`` is row ``s`` of its flat view.
     """
 
     def __init__(self, *, row_width: int, cache_width: int, prefix: str, vllm_config: VllmConfig):
@@ -158,42 +181,35 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
 
     def metadata(self) -> PortableAttentionMetadata | None:
         """This step's metadata, or None in vLLM's profile / dummy runs (no cache to touch)."""
+        if self.kv_cache.numel() == 0:
+            return None
         md = get_forward_context().attn_metadata
         if md is None:
             return None
         if isinstance(md, list):
             raise NotImplementedError("micro-batching (ubatch) is not supported by the portable attention")
-        return md.get(self.layer_name) if isinstance(md, dict) else md
+        md = md.get(self.layer_name) if isinstance(md, dict) else md
+        if md is not None and md.block_size != self.kv_cache.shape[2]:
+            raise ValueError(f"{self.layer_name}: metadata block size {md.block_size} != the bound cache's "
+                             f"{self.kv_cache.shape[2]}")
+        return md
 
-    def forward(self, rows: torch.Tensor, out: torch.Tensor, sequence_fn: SequenceFn) -> bool:
-        """Store ``rows: [T, row_width]`` and fill ``out[:num_actual_tokens]`` request by request.
+    def _flat(self) -> torch.Tensor:
+        return self.kv_cache.view(-1, self.cache_width)  # [num_slots, cache_width]
 
-        Returns False (and leaves ``out`` alone) when there is no metadata: a profile / dummy run.
-        """
-        md = self.metadata()
-        if md is None or self.kv_cache.numel() == 0:
-            return False
-        self.run(md, rows, out, sequence_fn)
-        return True
+    def write(self, md: PortableAttentionMetadata, rows: torch.Tensor) -> None:
+        """Store the step's ``rows: [T, row_width]`` at their slots (padding tokens, slot -1, are dropped)."""
+        rows = rows[: md.num_actual_tokens]
+        if md.write_index is not None:
+            rows = rows.index_select(0, md.write_index)
+        self._flat()[:, : self.row_width].index_copy_(0, md.write_slots, rows.to(self.kv_cache.dtype))
 
-    def run(self, md: PortableAttentionMetadata, rows: torch.Tensor, out: torch.Tensor,
-            sequence_fn: SequenceFn) -> None:
-        """The paged part of :meth:`forward` for explicit metadata: write rows, then per request gather
-        positions ``0 .. seq_len-1`` through the block table and fill its slice of ``out``."""
-        cache = self.kv_cache  # [num_blocks, 1, block_size, cache_width]
-        block_size = cache.shape[2]
-        n = md.num_actual_tokens
-        slots = md.slot_mapping
-        keep = slots >= 0
-        slots = slots[keep]
-        cache[slots // block_size, 0, slots % block_size, : self.row_width] = rows[:n][keep].to(cache.dtype)
+    def gather(self, slots: torch.Tensor, start: int, width: int) -> torch.Tensor:
+        """Channels ``[start, start + width)`` of the rows at ``slots: [...]`` -> ``[..., width]``."""
+        flat = self._flat()[:, start : start + width]
+        return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, width)
 
-        qsl = md.query_start_loc
-        for r, seq_len in enumerate(md.seq_lens):
-            start, end = qsl[r], qsl[r + 1]
-            if end == start:
-                continue
-            pos = torch.arange(seq_len, device=cache.device)
-            blocks = md.block_table[r, pos // block_size].long()
-            seq_rows = cache[blocks, 0, pos % block_size, : self.row_width]
-            out[start:end] = sequence_fn(seq_rows, slice(start, end))
+    def put(self, slots: torch.Tensor, start: int, values: torch.Tensor) -> None:
+        """Store ``values: [M, w]`` into channels ``[start, start + w)`` of the rows at ``slots: [M]``."""
+        flat = self._flat()[:, start : start + values.shape[-1]]
+        flat.index_copy_(0, slots, values.to(self.kv_cache.dtype))

@@ -12,8 +12,10 @@ Per token ``t`` at position ``p``::
 
 ``wq_a`` and ``wkv`` are one stacked replicated GEMM (``fused_wqa_wkv``); heads (``wq_b``, ``attn_sink``)
 and output groups (``wo_a``) are split across tensor-parallel ranks, ``wo_b`` reduces. The cache-touching
-part is :class:`vllm_dsv4_mtp.kernels.attention_core.PagedRowCache`; this file holds the maths, which
-:meth:`DeepseekV4Attention.attend_sequence` applies to one sequence's rows.
+part is :class:`vllm_dsv4_mtp.kernels.attention_core.PagedRowCache` with the step's addressing
+(``kernels/attention_metadata.py``); this file holds the maths, batched over the whole step: the queries are
+laid out as ``[n_seg, S]`` segments (consecutive queries of one request), each segment attends to one
+contiguous window-key range plus the C128 entries it may see or (C4) each query's indexer picks.
 """
 
 from __future__ import annotations
@@ -29,32 +31,41 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 
-from vllm_dsv4_mtp.kernels.attention_core import PagedRowCache, cache_row_width, layer_row_width
+from vllm_dsv4_mtp.kernels.attention_core import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.compressor import Compressor
-from vllm_dsv4_mtp.model.indexer import Indexer
+from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
 from vllm_dsv4_mtp.model.rope import layer_rope
 
-# queries are processed in chunks of this many, so a long prefill's score matrix stays
-# [chunk, H, chunk + window + entries] instead of [L, H, L]
-QUERY_CHUNK = 256
+# the intermediates of one group of segments (scores, gathered keys) stay below this many elements
+GROUP_BUDGET = 1 << 23
 
 
 def sink_attention(
-    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, hidden: torch.Tensor, sink: torch.Tensor, scale: float,
+    own_keys: torch.Tensor | None = None, own_hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax attention with a per-head sink logit in the denominator only; K = V = ``keys``.
+    """Softmax attention with a per-head sink logit in the denominator only; K = V = the keys.
 
-    ``q: [T, H, d]``, ``keys: [K, d]``, ``mask: [T, K]`` bool (True = visible), ``sink: [H]`` float32
-    -> ``[T, H, d]`` in ``q.dtype``. Computed in float32.
+    ``q: [B, S, H, d]`` (``B`` segments of ``S`` queries); ``keys: [B, K, d]`` shared by a segment's queries,
+    ``hidden: [B, S, K]`` bool (True = not visible); optionally ``own_keys: [B, S, k, d]`` per query with
+    ``own_hidden: [B, S, k]``; ``sink: [H]`` float32 -> ``[B, S, H, d]`` in ``q.dtype``. Computed in float32.
     """
-    k = keys.float()
-    logits = torch.einsum("thd,kd->thk", q.float(), k) * scale
-    logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
-    sink = sink.float().view(1, -1, 1)
-    m = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
-    p = torch.exp(logits - m)
-    denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink - m)
-    return torch.einsum("thk,kd->thd", p / denom, k).to(q.dtype)
+    b, s, h, d = q.shape
+    qf, kf = q.float(), keys.float()
+    n_keys = kf.shape[1]
+    logits = torch.bmm(qf.reshape(b, s * h, d), kf.transpose(1, 2)).view(b, s, h, n_keys)
+    if own_keys is not None:
+        of = own_keys.float()
+        logits = torch.cat([logits, torch.matmul(qf, of.transpose(-1, -2))], dim=-1)
+        hidden = torch.cat([hidden, own_hidden], dim=-1)
+    logits = logits.mul_(scale).masked_fill_(hidden.unsqueeze(2), float("-inf"))
+    # the sink is one more logit per head whose value carries nothing: softmax over [logits | sink]
+    logits = torch.cat([logits, sink.float().view(1, 1, h, 1).expand(b, s, h, 1)], dim=-1)
+    p = torch.softmax(logits, dim=-1)
+    out = torch.bmm(p[..., :n_keys].reshape(b, s * h, n_keys), kf).view(b, s, h, d)
+    if own_keys is not None:
+        out = out + torch.matmul(p[..., n_keys:-1], of)
+    return out.to(q.dtype)
 
 
 class GroupedLinear(nn.Module):
@@ -152,6 +163,7 @@ class DeepseekV4Attention(nn.Module):
         )
         ratios = list(config.compress_ratios[: config.num_hidden_layers])
         self.row_width = layer_row_width(self.compress_ratio, self.head_dim, config.index_head_dim)
+        self.channels = entry_channels(self.compress_ratio, self.head_dim, config.index_head_dim)
         self.cache = PagedRowCache(
             row_width=self.row_width,
             cache_width=cache_row_width(ratios, self.head_dim, config.index_head_dim),
@@ -167,72 +179,24 @@ class DeepseekV4Attention(nn.Module):
         param.data.copy_(loaded[start : start + self.n_local_heads].float())
 
     # ----------------------------------------------------------------------------------------------
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-token projections. ``x: [T, D]`` -> ``q [T, H_local, d]``, ``qr [T, q_lora]``, ``rows [T, W]``."""
+    def project(self, x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token projections. ``x: [T, D]``, ``rot``: the tokens' rope rotations -> ``q [T, H_local, d]``,
+        ``qr [T, q_lora]``, ``rows [T, W]``."""
         qr_kv = self.fused_wqa_wkv(x)
         qr, kv = qr_kv.split([qr_kv.shape[-1] - self.head_dim, self.head_dim], dim=-1)
         qr = self.q_norm(qr)
-        kv = self.rope(self.kv_norm(kv), positions)
+        kv = self.kv_norm(kv)
         q = self.wq_b(qr).view(-1, self.n_local_heads, self.head_dim)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
-        q = self.rope(q, positions)
+        # one rotation for the query heads and the latent: [T, H_local + 1, d]
+        qkv = self.rope.apply_(torch.cat([q, kv.unsqueeze(1)], dim=1), rot)
+        q, kv = qkv[:, :-1], qkv[:, -1]
         parts = [kv]
         if self.compressor is not None:
             parts.append(self.compressor.project(x))
         if self.indexer is not None:
             parts.append(self.indexer.compressor.project(x))
-        return q, qr, torch.cat(parts, dim=-1)
-
-    def attend_sequence(
-        self,
-        q: torch.Tensor,
-        positions: torch.Tensor,
-        rows: torch.Tensor,
-        index_q: torch.Tensor | None = None,
-        index_w: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Attention of one sequence's queries over its rows.
-
-        Args:
-            q: ``[Tq, H_local, d]`` roped queries at ``positions: [Tq]`` (consecutive).
-            rows: ``[L, row_width]`` rows of positions ``0 .. L-1`` (``L > positions.max()``).
-            index_q, index_w: the indexer's queries and head weights of these tokens (C4 only).
-
-        Returns:
-            ``[Tq, H_local, d]``, rope removed at the query positions.
-        """
-        d = self.head_dim
-        kv = rows[:, :d]
-        entries = None
-        picks = None
-        if self.compressor is not None:
-            cw = self.compressor.row_width
-            entries = self.compressor.entries(rows[:, d : d + cw], self.rope)  # [n, d]
-            if self.indexer is not None:
-                picks = self.indexer.select(index_q, index_w, rows[:, d + cw :], positions, self.rope)
-        out = torch.empty_like(q)
-        for a in range(0, q.shape[0], QUERY_CHUNK):
-            b = min(a + QUERY_CHUNK, q.shape[0])
-            pos = positions[a:b]
-            lo = max(int(pos[0]) - self.window + 1, 0)
-            hi = int(pos[-1]) + 1
-            key_pos = torch.arange(lo, hi, device=q.device)
-            diff = pos.unsqueeze(1) - key_pos.unsqueeze(0)
-            mask = (diff >= 0) & (diff < self.window)  # [tq, hi - lo]
-            keys = kv[lo:hi]
-            if entries is not None and entries.shape[0] > 0:
-                entry = torch.arange(entries.shape[0], device=q.device)
-                if picks is None:  # C128: every complete entry
-                    emask = entry.unsqueeze(0) < ((pos + 1) // self.compress_ratio).unsqueeze(1)
-                else:  # C4: the indexer's picks (-1 = none)
-                    p = picks[a:b]
-                    emask = torch.zeros(b - a, entries.shape[0] + 1, dtype=torch.bool, device=q.device)
-                    emask.scatter_(1, torch.where(p >= 0, p, entries.shape[0]), True)
-                    emask = emask[:, :-1]
-                keys = torch.cat([keys, entries.to(keys.dtype)], dim=0)
-                mask = torch.cat([mask, emask], dim=1)
-            out[a:b] = sink_attention(q[a:b], keys, mask, self.attn_sink, self.scale)
-        return self.rope(out, positions, inverse=True)
+        return q, qr, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output projection: ``o: [T, H_local, d]`` -> ``[T, D]`` (all-reduced over TP)."""
@@ -241,19 +205,87 @@ class DeepseekV4Attention(nn.Module):
         return self.wo_b(self.wo_a(o).flatten(1))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``x: [T, D]`` (the normed sub-layer input) at ``positions: [T]`` -> ``[T, D]``."""
-        q, qr, rows = self.project(x, positions)
+        """``x: [T, D]`` (the normed sub-layer input) at ``positions: [T]`` -> ``[T, D]``.
+
+        Writes the step's rows, completes the blocks its tokens close (entries and indexer keys into the
+        completing rows), then attends; vLLM's profile / dummy runs (no metadata) only project.
+        """
+        md = self.cache.metadata()
+        if md is None:
+            q, _, _ = self.project(x, self.rope.rotation(positions))
+            return self.output(torch.zeros_like(q))
+        return self.forward_paged(md, positions, x)
+
+    def forward_paged(self, md, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for explicit metadata (a ``PortableAttentionMetadata``) over the bound cache."""
+        md.check_positions(positions)
+        n = md.num_tokens
+        x_real = x[:n]
+        rot = self.rope.step_rotation(md.memo, "tokens", md.positions)
+        q, qr, rows = self.project(x_real, rot)
+        self.cache.write(md, rows)
+        ch = self.channels
         index_q = index_w = None
+        if self.compressor is not None:
+            self.compressor.complete(md, self.cache, self.rope, cz_channel=ch["cz"], entry_channel=ch["entry"])
         if self.indexer is not None:
-            index_q, index_w = self.indexer.queries(qr, x, positions, self.rope)
-
-        def sequence_fn(seq_rows: torch.Tensor, tokens: slice) -> torch.Tensor:
-            return self.attend_sequence(
-                q[tokens], positions[tokens], seq_rows,
-                None if index_q is None else index_q[tokens],
-                None if index_w is None else index_w[tokens],
-            )
-
-        o = torch.zeros_like(q)
-        self.cache(rows, o, sequence_fn)  # profile / dummy runs leave o = 0
+            self.indexer.compressor.complete(md, self.cache, self.rope, cz_channel=ch["icz"],
+                                             entry_channel=ch["ikey"])
+            index_q, index_w = self.indexer.queries(qr, x_real, rot, self.rope)
+        o = self.attend(md, q, index_q, index_w)
+        o = self.rope.apply_(o, self.rope.step_rotation(md.memo, "tokens", md.positions, inverse=True))
+        if n < x.shape[0]:  # padding tokens: output 0
+            o = torch.cat([o, o.new_zeros(x.shape[0] - n, *o.shape[1:])])
         return self.output(o)
+
+    # ----------------------------------------------------------------------------------------------
+    def attend(self, md, q: torch.Tensor, index_q: torch.Tensor | None, index_w: torch.Tensor | None) -> torch.Tensor:
+        """Attention of the step's queries ``q: [n, H_local, d]`` over the paged rows -> ``[n, H_local, d]``
+        (rope still applied at the query positions). ``index_q, index_w``: the indexer's (C4 only)."""
+        b, s = md.num_segments, md.seg_len
+        if b == 0:
+            return q.new_zeros(q.shape)
+
+        def segments(t: torch.Tensor | None) -> torch.Tensor | None:  # [n, ...] -> [n_seg, S, ...]
+            if t is None:
+                return None
+            t = t if md.query_index is None else t.index_select(0, md.query_index)
+            return t.view(b, s, *t.shape[1:])
+
+        qs, iq, iw = segments(q), segments(index_q), segments(index_w)
+        n_win = md.window(self.window).slots.shape[1]
+        n_ent = md.entries(self.compress_ratio).count if self.compress_ratio else 0
+        k = min(self.indexer.topk, n_ent) if self.indexer is not None else n_ent
+        per_seg = s * self.n_local_heads * (n_win + k + 1) + (n_win + k) * self.head_dim
+        if self.indexer is not None:
+            per_seg = max(per_seg, s * self.indexer.n_heads * n_ent, s * k * self.head_dim)
+        groups = md.segment_groups(per_seg, GROUP_BUDGET)
+        outs = [self._attend_group(md, slice(lo, hi), qs[lo:hi], None if iq is None else iq[lo:hi],
+                                   None if iw is None else iw[lo:hi]) for lo, hi in groups]
+        o = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(b * s, *q.shape[1:])
+        return o if md.output_index is None else o.index_select(0, md.output_index)
+
+    def _attend_group(self, md, seg: slice, q: torch.Tensor, iq: torch.Tensor | None,
+                      iw: torch.Tensor | None) -> torch.Tensor:
+        """One group of segments: ``q: [B, S, H_local, d]`` -> ``[B, S, H_local, d]``."""
+        d, ch = self.head_dim, self.channels
+        win = md.window(self.window)
+        keys, hidden = self.cache.gather(win.slots[seg], ch["kv"], d), win.hidden[seg]
+        ent = md.entries(self.compress_ratio) if self.compress_ratio else None
+        if ent is None or ent.count == 0:
+            return sink_attention(q, keys, hidden, self.attn_sink, self.scale)
+        if self.indexer is None:  # C128-style: every complete entry
+            keys = torch.cat([keys, self.cache.gather(ent.slots[seg], ch["entry"], d)], dim=1)
+            hidden = torch.cat([hidden, ent.hidden[seg]], dim=-1)
+            return sink_attention(q, keys, hidden, self.attn_sink, self.scale)
+        # C4: each query's indexer picks among the complete entries
+        slots = ent.slots[seg]
+        index_keys = self.cache.gather(slots, ch["ikey"], self.indexer.head_dim)
+        picks, unseen = indexer_topk(iq, iw, index_keys, ent.hidden[seg], ent.limit[seg], topk=self.indexer.topk)
+        bsz, s, k = picks.shape
+        own = self.cache.gather(torch.gather(slots, 1, picks.reshape(bsz, s * k)).view(bsz, s, k), ch["entry"], d)
+        if s == 1:  # one query per segment: its picks join the shared keys
+            keys = torch.cat([keys, own.view(bsz, k, d)], dim=1)
+            hidden = torch.cat([hidden, unseen], dim=-1)
+            return sink_attention(q, keys, hidden, self.attn_sink, self.scale)
+        return sink_attention(q, keys, hidden, self.attn_sink, self.scale, own, unseen)

@@ -11,9 +11,10 @@ entry, the softmax-gated (over tokens, per channel; ``z + ape`` as logits) sum o
 The entry is RMS-normalised (``norm.weight``) and rotated at position ``ratio * j``. An entry exists only
 once its block is complete; a query at position ``t`` sees entries ``j < (t + 1) // ratio``.
 
-The portable attention core keeps ``[c | z]`` per token in the paged KV cache and calls :meth:`pool` over
-a whole sequence's rows, so no partial-block state lives outside the cache (see
-``kernels/attention_core.py``). Also used, at ``hd = index_head_dim``, by the lightning indexer.
+The portable attention core keeps ``[c | z]`` per token in the paged KV cache; :meth:`Compressor.complete`
+pools a block once, in the step that writes its last token, from the block's cached rows, and stores the
+entry in that token's row (see ``kernels/attention_core.py``). Also used, at ``hd = index_head_dim``, by the
+lightning indexer.
 """
 
 from __future__ import annotations
@@ -26,33 +27,31 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
 
-def pool_blocks(
-    cz: torch.Tensor, ape: torch.Tensor, *, ratio: int, head_dim: int, overlap: bool
+def pool_gathered(
+    cz: torch.Tensor, valid: torch.Tensor, ape: torch.Tensor, *, ratio: int, head_dim: int, overlap: bool
 ) -> torch.Tensor:
-    """Gated pooling of every complete block of a sequence (before norm and rope).
+    """Gated pooling of ``M`` completed blocks from their gathered rows (before norm and rope).
 
     Args:
-        cz: ``[L, 2 * coff * head_dim]`` per-token ``[c | z]`` rows of positions ``0 .. L-1``.
+        cz: ``[M, span, 2 * coff * head_dim]`` per-token ``[c | z]`` rows ending at each block's last token
+            (``span = coff * ratio``: with overlap, the previous block's rows then the block's own).
+        valid: ``[M, span, 1]`` bool, False for rows before position 0 (block 0's previous half).
         ape: ``[ratio, coff * head_dim]`` float32 position bias added to ``z``.
 
     Returns:
-        ``[L // ratio, head_dim]`` pooled entries in ``cz.dtype`` (softmax weights in float32, cast to the
-        activation dtype before the weighted sum, as the reference does).
+        ``[M, head_dim]`` pooled entries in ``cz.dtype`` (softmax weights in float32, cast to the activation
+        dtype before the weighted sum, as the reference does).
     """
-    coff = 2 if overlap else 1
-    width = coff * head_dim
-    n = cz.shape[0] // ratio
-    c = cz[: n * ratio, :width].reshape(n, ratio, width)
-    z = cz[: n * ratio, width:].reshape(n, ratio, width).float() + ape.float()
+    width = (2 if overlap else 1) * head_dim
+    c, z = cz[..., :width], cz[..., width:].float()
     if overlap:
         # rows [0, ratio): previous block, first half of the channels; rows [ratio, 2 ratio): this block,
-        # second half. Block 0's previous half is empty: c = 0, z = -inf (softmax weight 0).
-        prev_c = c.new_zeros(n, ratio, head_dim)
-        prev_z = z.new_full((n, ratio, head_dim), float("-inf"))
-        prev_c[1:] = c[:-1, :, :head_dim]
-        prev_z[1:] = z[:-1, :, :head_dim]
-        c = torch.cat([prev_c, c[..., head_dim:]], dim=1)
-        z = torch.cat([prev_z, z[..., head_dim:]], dim=1)
+        # second half; ape by the row's place in its own block
+        c = torch.cat([c[:, :ratio, :head_dim], c[:, ratio:, head_dim:]], dim=1)
+        z = torch.cat([z[:, :ratio, :head_dim], z[:, ratio:, head_dim:]], dim=1)
+        ape = torch.cat([ape[:, :head_dim], ape[:, head_dim:]], dim=0)
+    z = (z + ape.float()).masked_fill(~valid, float("-inf"))  # weight 0 for rows before position 0
+    c = c.masked_fill(~valid, 0)
     weights = torch.softmax(z, dim=1).to(c.dtype)
     return (c * weights).sum(dim=1)
 
@@ -81,9 +80,17 @@ class Compressor(nn.Module):
         """``x: [T, D]`` -> ``[T, row_width]`` rows ``[c | z]`` to store per token."""
         return self.fused_wkv_wgate(x)
 
-    def entries(self, cz: torch.Tensor, rope: DeepseekV4Rope) -> torch.Tensor:
-        """All complete entries of one sequence: ``cz: [L, row_width]`` -> ``[L // ratio, head_dim]``."""
-        pooled = pool_blocks(cz, self.ape, ratio=self.ratio, head_dim=self.head_dim, overlap=self.overlap)
-        pooled = self.norm(pooled)
-        positions = torch.arange(pooled.shape[0], device=cz.device) * self.ratio
-        return rope(pooled, positions)
+    def complete(self, md, cache, rope: DeepseekV4Rope, *, cz_channel: int, entry_channel: int) -> None:
+        """Make the entries of the blocks this step completes and store them in their completing rows.
+
+        ``md``: the step's ``PortableAttentionMetadata``; ``cache``: the layer's ``PagedRowCache`` (this step's
+        rows already written); the rows' ``[c | z]`` start at ``cz_channel``, entries go to ``entry_channel``.
+        """
+        done = md.completions(self.ratio, (2 if self.overlap else 1) * self.ratio)
+        if done is None:
+            return
+        rows = cache.gather(done.row_slots, cz_channel, self.row_width)  # [M, span, row_width]
+        pooled = pool_gathered(rows, done.row_valid, self.ape, ratio=self.ratio, head_dim=self.head_dim,
+                               overlap=self.overlap)
+        rot = rope.step_rotation(md.memo, f"blocks{self.ratio}", done.block_pos)
+        cache.put(done.dst, entry_channel, rope.apply_(self.norm(pooled), rot))

@@ -3,7 +3,9 @@
 ``qI = wq_b(qr)`` (``[T, nI, dI]``, rope at the query position), ``w = weights_proj(x) * nI^-0.5`` and the
 indexer's own C4 compressor (``hd = dI``) produce keys ``KI [n, dI]``; the score of entry ``j`` for query
 ``t`` is ``sum_h relu(qI[t,h] . KI[j]) * dI^-0.5 * w[t,h]``, restricted to entries that are complete
-(``j < (t + 1) // 4``). Picks beyond the causal limit (too few ready entries) are returned as ``-1``.
+(``j < (t + 1) // 4``). Picks beyond the causal limit (too few ready entries) are flagged invalid. The keys
+are made once per block (the indexer's compressor, in the block's completing row of the paged cache; see
+``kernels/attention_core.py``) and gathered per segment of queries.
 
 The reference also rotates ``qI`` and ``KI`` by a Hadamard matrix and fake-quantises them to FP4 (QAT);
 the rotation is orthonormal, so the dot products are unchanged, and the FP4 rounding is not applied here
@@ -21,31 +23,32 @@ from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
 
 def indexer_topk(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, *, ratio: int, topk: int
-) -> torch.Tensor:
-    """Top-k entry indices per query.
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, hidden: torch.Tensor, limit: torch.Tensor, *,
+    topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k entry indices per query, for ``B`` segments of ``S`` queries over ``n`` candidate entries each.
 
     Args:
-        q: ``[T, nI, dI]`` rotated indexer queries; ``weights``: ``[T, nI]`` float32 (already scaled by nI^-0.5).
-        keys: ``[n, dI]`` indexer entries of the sequence; ``positions``: ``[T]`` query positions.
+        q: ``[B, S, nI, dI]`` roped indexer queries; ``weights``: ``[B, S, nI]`` float32 (scaled by nI^-0.5).
+        keys: ``[B, n, dI]`` indexer keys of each segment's sequence (entries ``0 .. n-1``, padded).
+        hidden: ``[B, S, n]`` bool, True where entry ``j`` is not complete for the query (``j >= limit``).
+        limit: ``[B, S, 1]`` int64 number of entries complete for each query.
 
     Returns:
-        ``[T, min(topk, n)]`` int64 entry indices, ``-1`` where the pick is not visible to the query.
+        ``picks [B, S, min(topk, n)]`` int64 entry indices and ``unseen`` (same shape, bool: True where the
+        pick lies beyond its query's causal limit, i.e. is not a pick).
     """
-    n = keys.shape[0]
+    n = keys.shape[1]
     k = min(topk, n)
-    if k == 0:
-        return torch.empty(q.shape[0], 0, dtype=torch.int64, device=q.device)
     scale = q.shape[-1] ** -0.5
-    scores = torch.einsum("thd,nd->thn", q.float(), keys.float()).relu_() * scale
-    scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [T, n]
-    limit = ((positions + 1) // ratio).unsqueeze(-1)  # [T, 1] number of visible entries
-    entry = torch.arange(n, device=q.device).unsqueeze(0)
-    scores = scores.masked_fill(entry >= limit, float("-inf"))
+    b, s, heads, dim = q.shape
+    scores = torch.bmm(q.float().view(b, s * heads, dim), keys.float().transpose(1, 2)).view(b, s, heads, n)
+    scores = scores.relu_() * scale
+    scores = (scores * weights.unsqueeze(-1)).sum(dim=2).masked_fill_(hidden, float("-inf"))  # [B, S, n]
     # stable sort: among equal scores (e.g. all heads ReLU'd to 0) the lowest entry index wins, so the picks
     # do not depend on how queries are batched (prefill vs chunked prefill vs decode)
-    picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-    return torch.where(picks >= limit, torch.full_like(picks, -1), picks)
+    picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return picks, picks >= limit
 
 
 class Indexer(nn.Module):
@@ -68,17 +71,11 @@ class Indexer(nn.Module):
         self.compressor = Compressor(hidden_size, head_dim, self.ratio, norm_eps, prefix=f"{prefix}.compressor")
 
     def queries(
-        self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: DeepseekV4Rope
+        self, qr: torch.Tensor, x: torch.Tensor, rot: torch.Tensor, rope: DeepseekV4Rope
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``qr: [T, q_lora]``, ``x: [T, D]`` -> ``(qI [T, nI, dI], w [T, nI] float32)``."""
+        """``qr: [T, q_lora]``, ``x: [T, D]``, ``rot``: the tokens' rotations -> ``(qI [T, nI, dI], w [T, nI]
+        float32)``."""
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
-        q = rope(q, positions)
+        q = rope.apply_(q, rot)
         w = self.weights_proj(x).float() * self.n_heads**-0.5
         return q, w
-
-    def select(
-        self, q: torch.Tensor, w: torch.Tensor, cz: torch.Tensor, positions: torch.Tensor, rope: DeepseekV4Rope
-    ) -> torch.Tensor:
-        """Entry picks for the queries of one sequence whose indexer rows ``[c | z]`` are ``cz: [L, ...]``."""
-        keys = self.compressor.entries(cz, rope)
-        return indexer_topk(q, w, keys, positions, ratio=self.ratio, topk=self.topk)

@@ -53,7 +53,12 @@ def yarn_params_from_config(rope_scaling: dict | None) -> dict | None:
 
 
 class DeepseekV4Rope(nn.Module):
-    """Interleaved partial rotary embedding of one layer (``rope_dim`` trailing channels)."""
+    """Interleaved partial rotary embedding of one layer (``rope_dim`` trailing channels).
+
+    The rotation of pair ``(2i, 2i+1)`` at position ``p`` is the complex factor ``exp(i p f_i)`` (float32):
+    :meth:`rotation` computes those factors once for a set of positions (a layer's step shares them across
+    queries, keys and output through :meth:`step_rotation`), :meth:`apply` multiplies by them.
+    """
 
     def __init__(self, rope_dim: int, theta: float, yarn: dict | None = None):
         super().__init__()
@@ -61,27 +66,50 @@ class DeepseekV4Rope(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(rope_dim, theta, yarn), persistent=False)
         self.theta = theta
         self.is_yarn = bool(yarn)
+        # ropes with equal frequencies share a step's rotations (every compressed layer of a model, say)
+        self.key = (rope_dim, tuple(self.inv_freq.tolist()))
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions: [N]`` int -> ``cos, sin: [N, rope_dim // 2]`` float32."""
         freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
         return freqs.cos(), freqs.sin()
 
+    def rotation(self, positions: torch.Tensor) -> torch.Tensor:
+        """``positions: [N]`` -> complex64 ``[N, rope_dim // 2]`` factors ``exp(i p f)``."""
+        cos, sin = self.cos_sin(positions)
+        return torch.complex(cos, sin)
+
+    def step_rotation(self, memo: dict, tag: str, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """:meth:`rotation` (conjugated when ``inverse``), memoised in a step's ``memo`` under ``tag`` (the
+        role of ``positions``), so the layers sharing this rope's frequencies compute it once per step."""
+        key = ("rope", self.key, tag, inverse)
+        rot = memo.get(key)
+        if rot is None:
+            rot = self.step_rotation(memo, tag, positions).conj_physical() if inverse else self.rotation(positions)
+            memo[key] = rot
+        return rot
+
+    def apply_(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """Rotate, in place, the last ``rope_dim`` channels of ``x: [N, ..., C]`` by ``rot: [N, rope_dim // 2]``
+        (computed in float32, stored in ``x.dtype``); returns ``x``."""
+        extra = x.dim() - 2  # broadcast over head dims between N and C
+        rot = rot.view(rot.shape[0], *([1] * extra), rot.shape[-1])
+        part = x[..., -self.rope_dim :]
+        pairs = torch.view_as_complex(part.float().unflatten(-1, (-1, 2)))
+        part.copy_(torch.view_as_real(pairs * rot).flatten(-2))
+        return x
+
+    def apply(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """:meth:`apply_` on a copy of ``x`` (``x`` is not modified)."""
+        return self.apply_(x.clone(), rot)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last ``rope_dim`` channels of ``x: [N, ..., C]`` at ``positions: [N]``.
 
         Computed in float32, returned in ``x.dtype``; ``inverse=True`` applies the conjugate rotation.
         """
-        cos, sin = self.cos_sin(positions)
-        if inverse:
-            sin = -sin
-        extra = x.dim() - 2  # broadcast over head dims between N and C
-        cos = cos.view(cos.shape[0], *([1] * extra), cos.shape[-1])
-        sin = sin.view(sin.shape[0], *([1] * extra), sin.shape[-1])
-        nope, rope = x[..., : -self.rope_dim], x[..., -self.rope_dim :].float()
-        even, odd = rope[..., 0::2], rope[..., 1::2]
-        rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-        return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+        rot = self.rotation(positions)
+        return self.apply(x, rot.conj_physical() if inverse else rot)
 
 
 def layer_rope(

@@ -1,0 +1,70 @@
+"""Rows of rejected MTP drafts never change a later step's output, through vLLM's engine (float32).
+
+The portable attention stores each compressed entry (and the C4 indexer's key) in the cache row of the token
+that completes its block, computed in the step that writes that token (``kernels/attention_core.py``). In a
+verify window the drafts' rows are written, and a draft at position ``4 j + 3`` / ``128 j + 127`` completes a
+C4 / C128 block with an entry made from the draft's row. With a random MTP layer nearly every draft is
+rejected; prompts of 126 and 254 tokens put the first verify window's drafts at positions 127 / 128 and 255 /
+256 (completing C128 blocks 0 and 1 and C4 blocks 31 and 63), and every later window puts drafts on C4
+boundaries. Enforced: the greedy tokens with MTP K=2 equal MTP off and HF float32's argmax over the whole
+sequence at every step, and vLLM's counters show the drafts were (nearly all) rejected.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.engine
+
+PROMPT_LENS = (126, 254, 125, 31)
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
+    from vllm_dsv4_mtp.model.mtp_checkpoints import scale_head
+    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
+
+    d = build_tiny_checkpoint(tmp_path_factory.mktemp("mtp-rejected") / "ckpt", seed=4)
+    scale_head(d, 8.0)
+    sharpen_routing(d)
+    return d
+
+
+def _run(ckpt, k: int):
+    from vllm import LLM, SamplingParams
+
+    from vllm_dsv4_mtp.model.mtp_bench import spec_decode_from_llm
+
+    g = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    sc = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    llm = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
+              skip_tokenizer_init=True, seed=0, speculative_config=sc, disable_log_stats=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False),
+                        use_tqdm=False)
+    spec = spec_decode_from_llm(llm.get_metrics())
+    del llm
+    gc.collect()
+    return prompts, outs, spec
+
+
+def test_rejected_drafts_leave_later_steps_unchanged(ckpt):
+    from vllm_dsv4_mtp.model.hf_oracle import greedy_agreement, load_hf_model
+
+    prompts, outs_on, spec = _run(ckpt, 2)
+    _, outs_off, _ = _run(ckpt, 0)
+    on = [list(o.outputs[0].token_ids) for o in outs_on]
+    off = [list(o.outputs[0].token_ids) for o in outs_off]
+    assert on == off
+    # drafts ran at every step and were (nearly all) rejected, so their rows were written and then overwritten
+    assert spec is not None and spec.num_drafts >= len(PROMPT_LENS) * (MAX_TOKENS - 1) / 3
+    rejected = spec.num_draft_tokens - spec.num_accepted_tokens
+    assert rejected >= 0.8 * spec.num_draft_tokens, spec.to_dict()
+    r = greedy_agreement(outs_on, prompts, load_hf_model(ckpt))
+    assert r["steps"] == len(PROMPT_LENS) * MAX_TOKENS and r["mismatches"] == 0, r

@@ -41,30 +41,31 @@ GROUP_BUDGET = 1 << 23
 
 
 def sink_attention(
-    q: torch.Tensor, keys: torch.Tensor, hidden: torch.Tensor, sink: torch.Tensor, scale: float,
-    own_keys: torch.Tensor | None = None, own_hidden: torch.Tensor | None = None,
+    q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Softmax attention with a per-head sink logit in the denominator only; K = V = the keys.
 
-    ``q: [B, S, H, d]`` (``B`` segments of ``S`` queries); ``keys: [B, K, d]`` shared by a segment's queries,
-    ``hidden: [B, S, K]`` bool (True = not visible); optionally ``own_keys: [B, S, k, d]`` per query with
-    ``own_hidden: [B, S, k]``; ``sink: [H]`` float32 -> ``[B, S, H, d]`` in ``q.dtype``. Computed in float32.
+    ``q: [B, S, H, d]`` (``B`` segments of ``S`` queries); ``parts``: the key sets, each ``(keys, hidden)``
+    with ``keys`` either ``[B, K, d]`` (shared by a segment's queries) or ``[B, S, k, d]`` (one set per query)
+    and ``hidden: [B, S, K]`` bool (True = not visible); the softmax runs over all of them together, without
+    concatenating the keys. ``sink: [H]`` float32 -> ``[B, S, H, d]`` in ``q.dtype``. Computed in float32.
     """
     b, s, h, d = q.shape
-    qf, kf = q.float(), keys.float()
-    n_keys = kf.shape[1]
-    logits = torch.bmm(qf.reshape(b, s * h, d), kf.transpose(1, 2)).view(b, s, h, n_keys)
-    if own_keys is not None:
-        of = own_keys.float()
-        logits = torch.cat([logits, torch.matmul(qf, of.transpose(-1, -2))], dim=-1)
-        hidden = torch.cat([hidden, own_hidden], dim=-1)
+    qf = q.float()
+    keys = [k.float() for k, _ in parts]
+    logits = [torch.bmm(qf.reshape(b, s * h, d), k.transpose(1, 2)).view(b, s, h, -1) if k.dim() == 3
+              else torch.matmul(qf, k.transpose(-1, -2)) for k in keys]
+    sizes = [x.shape[-1] for x in logits]
+    hidden = torch.cat([m for _, m in parts], dim=-1) if len(parts) > 1 else parts[0][1]
+    logits = torch.cat(logits, dim=-1) if len(parts) > 1 else logits[0]
     logits = logits.mul_(scale).masked_fill_(hidden.unsqueeze(2), float("-inf"))
     # the sink is one more logit per head whose value carries nothing: softmax over [logits | sink]
     logits = torch.cat([logits, sink.float().view(1, 1, h, 1).expand(b, s, h, 1)], dim=-1)
-    p = torch.softmax(logits, dim=-1)
-    out = torch.bmm(p[..., :n_keys].reshape(b, s * h, n_keys), kf).view(b, s, h, d)
-    if own_keys is not None:
-        out = out + torch.matmul(p[..., n_keys:-1], of)
+    p = torch.softmax(logits, dim=-1).split([*sizes, 1], dim=-1)
+    out = None
+    for pi, k in zip(p, keys):
+        oi = (torch.bmm(pi.reshape(b, s * h, -1), k).view(b, s, h, d) if k.dim() == 3 else torch.matmul(pi, k))
+        out = oi if out is None else out.add_(oi)
     return out.to(q.dtype)
 
 
@@ -270,22 +271,16 @@ class DeepseekV4Attention(nn.Module):
         """One group of segments: ``q: [B, S, H_local, d]`` -> ``[B, S, H_local, d]``."""
         d, ch = self.head_dim, self.channels
         win = md.window(self.window)
-        keys, hidden = self.cache.gather(win.slots[seg], ch["kv"], d), win.hidden[seg]
+        parts = [(self.cache.gather(win.slots[seg], ch["kv"], d), win.hidden[seg])]
         ent = md.entries(self.compress_ratio) if self.compress_ratio else None
-        if ent is None or ent.count == 0:
-            return sink_attention(q, keys, hidden, self.attn_sink, self.scale)
-        if self.indexer is None:  # C128-style: every complete entry
-            keys = torch.cat([keys, self.cache.gather(ent.slots[seg], ch["entry"], d)], dim=1)
-            hidden = torch.cat([hidden, ent.hidden[seg]], dim=-1)
-            return sink_attention(q, keys, hidden, self.attn_sink, self.scale)
-        # C4: each query's indexer picks among the complete entries
-        slots = ent.slots[seg]
-        index_keys = self.cache.gather(slots, ch["ikey"], self.indexer.head_dim)
-        picks, unseen = indexer_topk(iq, iw, index_keys, ent.hidden[seg], ent.limit[seg], topk=self.indexer.topk)
-        bsz, s, k = picks.shape
-        own = self.cache.gather(torch.gather(slots, 1, picks.reshape(bsz, s * k)).view(bsz, s, k), ch["entry"], d)
-        if s == 1:  # one query per segment: its picks join the shared keys
-            keys = torch.cat([keys, own.view(bsz, k, d)], dim=1)
-            hidden = torch.cat([hidden, unseen], dim=-1)
-            return sink_attention(q, keys, hidden, self.attn_sink, self.scale)
-        return sink_attention(q, keys, hidden, self.attn_sink, self.scale, own, unseen)
+        if ent is not None and ent.count and self.indexer is None:  # C128-style: every complete entry
+            parts.append((self.cache.gather(ent.slots[seg], ch["entry"], d), ent.hidden[seg]))
+        elif ent is not None and ent.count:  # C4: each query's indexer picks among the complete entries
+            slots = ent.slots[seg]
+            index_keys = self.cache.gather(slots, ch["ikey"], self.indexer.head_dim)
+            picks, unseen = indexer_topk(iq, iw, index_keys, ent.hidden[seg], ent.limit[seg],
+                                         topk=self.indexer.topk)
+            bsz, s, k = picks.shape
+            picked = torch.gather(slots, 1, picks.reshape(bsz, s * k)).view(bsz, s, k)
+            parts.append((self.cache.gather(picked, ch["entry"], d), unseen))
+        return sink_attention(q, parts, self.attn_sink, self.scale)

@@ -319,3 +319,16 @@ def test_moe_matches_hf(vllm_dist, tmp_path, is_hash, fmt):
                     ref44[t] += w[t, k] * (mxfp4.fake_quant(h) @ w2.T)[0]
             torch.testing.assert_close(y44, ref44, atol=ATOL * ref44.abs().max().item(), rtol=0)
             assert (y44 - y).abs().max() > 1e-3  # W4A4 really rounds the activations
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_rms_norm_equals_vllm_rmsnorm(vllm_dist, dtype):
+    """The attention's norms skip vLLM's custom-op dispatch on CPU and must give RMSNorm's values exactly."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from vllm_dsv4_mtp.model.norm import rms_norm
+
+    norm = RMSNorm(96, eps=1e-6).to(dtype)
+    norm.weight.data.copy_(torch.randn(96))
+    x = (torch.randn(7, 96) * 3).to(dtype)
+    assert torch.equal(rms_norm(x, norm), norm(x))

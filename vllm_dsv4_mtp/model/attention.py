@@ -34,6 +34,7 @@ from vllm.model_executor.layers.linear import (
 from vllm_dsv4_mtp.kernels.attention_core import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.compressor import Compressor
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
+from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.rope import layer_rope
 
 # the intermediates of one group of segments (scores, gathered keys) stay below this many elements
@@ -95,7 +96,7 @@ class GroupedLinear(nn.Module):
     def forward(self, o: torch.Tensor) -> torch.Tensor:
         """``o: [T, G_local, (H/G) d]`` -> ``[T, G_local, o_lora]``."""
         w = self.weight.view(self.n_local_groups, self.out_per_group, -1)
-        return torch.einsum("tgk,grk->tgr", o, w)
+        return torch.bmm(o.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
 
 
 class DeepseekV4Attention(nn.Module):
@@ -185,8 +186,8 @@ class DeepseekV4Attention(nn.Module):
         ``qr [T, q_lora]``, ``rows [T, W]``."""
         qr_kv = self.fused_wqa_wkv(x)
         qr, kv = qr_kv.split([qr_kv.shape[-1] - self.head_dim, self.head_dim], dim=-1)
-        qr = self.q_norm(qr)
-        kv = self.kv_norm(kv)
+        qr = rms_norm(qr, self.q_norm)
+        kv = rms_norm(kv, self.kv_norm)
         q = self.wq_b(qr).view(-1, self.n_local_heads, self.head_dim)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
         # one rotation for the query heads and the latent: [T, H_local + 1, d]

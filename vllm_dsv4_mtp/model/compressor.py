@@ -24,6 +24,7 @@ from torch import nn
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
+from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
 
@@ -93,4 +94,4 @@ class Compressor(nn.Module):
         pooled = pool_gathered(rows, done.row_valid, self.ape, ratio=self.ratio, head_dim=self.head_dim,
                                overlap=self.overlap)
         rot = rope.step_rotation(md.memo, f"blocks{self.ratio}", done.block_pos)
-        cache.put(done.dst, entry_channel, rope.apply_(self.norm(pooled), rot))
+        cache.put(done.dst, entry_channel, rope.apply_(rms_norm(pooled, self.norm), rot))

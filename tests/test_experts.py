@@ -12,13 +12,6 @@ from vllm_dsv4_mtp.formats import mxfp4
 from vllm_dsv4_mtp.kernels import experts, portable_quant
 
 
-def test_this_cpu_gets_the_portable_implementations():
-    assert experts.select_experts_impl("mxfp4") == experts.PORTABLE_MXFP4
-    assert experts.select_experts_impl("bf16") == experts.PORTABLE_BF16
-    with pytest.raises(ValueError, match="unknown routed-expert format 'fp8'"):
-        experts.select_experts_impl("fp8")
-
-
 def test_portable_quant_config_claims_dsv4_only_off_gfx950():
     quark = {"quant_method": "quark"}
     dsv4 = SimpleNamespace(model_type="deepseek_v4", compress_ratios=[0, 4], hc_mult=4)
@@ -33,33 +26,80 @@ def test_portable_quant_config_claims_dsv4_only_off_gfx950():
     assert not portable_quant.claims(None, dsv4, gfx950=False)
 
 
-def test_mxfp4_bytes_are_loaded_verbatim():
-    """Packed codes (Quark uint8 or official int8) and E8M0 scales (uint8 or float8_e8m0fnu) are moved as raw
-    bytes; a numeric cast of an E8M0 tensor would turn 2**0 (byte 127) into 1."""
-    ex = experts.Mxfp4Experts(num_experts=2, hidden_size=64, intermediate_size=32, swiglu_limit=10.0)
-    w = torch.randn(32, 64)
-    packed, scales = mxfp4.quantize(w)
-    ex.load("e.1.w1.weight", 1, "w1", "weight", packed.view(torch.int8))
-    ex.load("e.1.w1.scale", 1, "w1", "scale", scales.view(torch.float8_e8m0fnu))
-    assert torch.equal(ex.w13_weight[1, :32], packed)
-    assert torch.equal(ex.w13_weight_scale[1, :32], scales)
-    assert int(scales.max()) > 100  # real E8M0 bytes, which a numeric cast would have destroyed
-    with pytest.raises(ValueError, match=r"e\.1\.w1\.weight_scale: MXFP4 scale must be uint8 or float8_e8m0fnu"):
-        ex.load("e.1.w1.weight_scale", 1, "w1", "weight_scale", scales.float())
-    with pytest.raises(ValueError, match=r"e\.0\.w2\.weight: expected shape \(64, 16\), got \(64, 32\)"):
-        ex.load("e.0.w2.weight", 0, "w2", "weight", torch.zeros(64, 32, dtype=torch.uint8))
+def _expert_weights(num_experts, hidden, inter, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"w1": torch.randn(inter, hidden, generator=g), "w3": torch.randn(inter, hidden, generator=g),
+             "w2": torch.randn(hidden, inter, generator=g)} for _ in range(num_experts)]
 
 
-def test_tensor_parallel_split_of_the_intermediate_dim():
-    """Rank r of 2 holds rows [16r, 16r+16) of w1/w3 and the matching columns (bytes) of w2."""
-    full = experts.Mxfp4Experts(num_experts=1, hidden_size=64, intermediate_size=64, swiglu_limit=10.0)
-    parts = [experts.Mxfp4Experts(num_experts=1, hidden_size=64, intermediate_size=64, swiglu_limit=10.0,
-                                  tp_rank=r, tp_size=2) for r in range(2)]
-    for shard, shape in (("w1", (64, 64)), ("w3", (64, 64)), ("w2", (64, 64))):
-        packed, scales = mxfp4.quantize(torch.randn(shape))
-        for m in [full, *parts]:
-            m.load(f"x.{shard}", 0, shard, "weight", packed)
-            m.load(f"x.{shard}", 0, shard, "weight_scale", scales)
-    x = torch.randn(5, 64)
-    w, ids = torch.ones(5, 1), torch.zeros(5, 1, dtype=torch.long)
-    torch.testing.assert_close(parts[0](x, w, ids) + parts[1](x, w, ids), full(x, w, ids), atol=1e-4, rtol=1e-5)
+def _load(ex, weights):
+    for e, shards in enumerate(weights):
+        for shard, w in shards.items():
+            param = ex.w2_weight if shard == "w2" else ex.w13_weight
+            param.weight_loader(param, w, f"experts.{e}.{shard}.weight", shard_id=shard, expert_id=e)
+
+
+def _reference(x, weights, ids, ws, limit, w4a4):
+    """sum_k w_k * expert_{id_k}(x), one token and one expert at a time, in float64."""
+    act = (lambda v: mxfp4.fake_quant(v.float()).double()) if w4a4 else (lambda v: v)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            p = weights[int(ids[t, k])]
+            xt = act(x[t:t + 1].double())
+            h = experts.swiglu_clamped(xt @ p["w1"].double().T, xt @ p["w3"].double().T, limit)
+            out[t] += float(ws[t, k]) * (act(h) @ p["w2"].double().T)[0]
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])  # few assignments: one expert at a time; many: one grouped GEMM
+@pytest.mark.parametrize("w4a4", [False, True])
+def test_experts_compute_the_routed_sum(tokens, w4a4):
+    E, D, I, k = 8, 64, 32, 2
+    weights = _expert_weights(E, D, I)
+    ex = experts.PortableExperts(E, D, I, 10.0, activation_quant=w4a4, dtype=torch.float32)
+    _load(ex, weights)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, D, generator=g) * 2
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    ws = torch.rand(tokens, k, generator=g)
+    got = ex(x, ws, ids).double()
+    want = _reference(x, weights, ids, ws, 10.0, w4a4)
+    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=0)
+
+
+def test_grouped_and_one_by_one_dispatch_agree():
+    """The two dispatch paths compute the same thing (the batch size only picks one)."""
+    E, D, I = 8, 64, 32
+    ex = experts.PortableExperts(E, D, I, 10.0, dtype=torch.float32)
+    _load(ex, _expert_weights(E, D, I, seed=2))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(50, D, generator=g)
+    ids = torch.randint(0, E, (50, 2), generator=g)
+    token = torch.arange(50).repeat_interleave(2)
+    torch.testing.assert_close(ex._grouped(x, token, ids.reshape(-1)), ex._one_by_one(x, token, ids.reshape(-1)),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_parallel_ranks_sum_to_the_whole(expert_parallel):
+    """Rank r of 2 holds half of every expert's intermediate dim (TP) or half of the experts (EP); the ranks'
+    partial sums add up to the single-rank result, and an EP rank says which experts it does not hold."""
+    E, D, I = 4, 64, 64
+    weights = _expert_weights(E, D, I, seed=4)
+    full = experts.PortableExperts(E, D, I, 10.0, dtype=torch.float32)
+    _load(full, weights)
+    parts = []
+    for r in range(2):
+        part = experts.PortableExperts(E, D, I, 10.0, tp_rank=r, tp_size=2, expert_parallel=expert_parallel,
+                                       dtype=torch.float32)
+        _load(part, weights)
+        parts.append(part)
+    x = torch.randn(9, D)
+    ids = torch.randint(0, E, (9, 2))
+    ws = torch.rand(9, 2)
+    torch.testing.assert_close(parts[0](x, ws, ids) + parts[1](x, ws, ids), full(x, ws, ids), atol=1e-4, rtol=1e-5)
+    if expert_parallel:
+        p = parts[1].w13_weight
+        assert p.weight_loader(p, weights[0]["w1"], "experts.0.w1.weight", "w1", 0, return_success=True) is False
+        assert p.weight_loader(p, weights[3]["w1"], "experts.3.w1.weight", "w1", 3, return_success=True) is True

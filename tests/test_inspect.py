@@ -236,8 +236,9 @@ def test_no_mtp_declared_is_a_warning(capsys, tmp_path):
     assert rep["problems"][0]["severity"] == "warning"
 
 
-def test_mtp_quantized(capsys, mxfp4, tmp_path):
-    """MTP experts stored MXFP4 (and the Quark config covering them): an error, or a warning when allowed."""
+def test_mtp_quantized(capsys, mxfp4, tmp_path, monkeypatch):
+    """MTP experts stored MXFP4 (and the Quark config covering them): one warning by default (the BF16 draft
+    decodes them at load), an error per tensor when refused (flag or the draft's own environment setting)."""
     from vllm_dsv4_mtp.formats import mxfp4 as codec
 
     r = CheckpointReader(mxfp4)
@@ -250,14 +251,20 @@ def test_mtp_quantized(capsys, mxfp4, tmp_path):
     qc = cfg["quantization_config"]
     qc["exclude"] = [x for x in qc["exclude"] if not x.startswith("mtp.0.ffn.experts.")]
     p = _rewrite(mxfp4, tmp_path, put=put, config=cfg)
+    monkeypatch.delenv("VLLM_DSV4_MTP_QUANTIZED_MTP", raising=False)
     rc, msgs, rep = _problems(capsys, p)
-    assert rc == 1
-    assert len(msgs) == 24
-    assert msgs[0] == ("mtp.0.ffn.experts.0.w1.weight: MTP tensor stored mxfp4; the MTP draft must be BF16 "
-                       "(dequantize the MTP layer, or allow it explicitly)")
+    assert rc == 0 and rep["warnings"] == 1 and rep["errors"] == 0
+    assert msgs == ["24 MTP tensor(s) stored quantized (mxfp4); the plugin's BF16 MTP draft decodes them exactly to "
+                    "BF16 at load (VLLM_DSV4_MTP_QUANTIZED_MTP=refuse would refuse them)"]
     assert rep["mtp"]["precision"] == "mixed: bf16, mxfp4"
-    rc, _, rep = _problems(capsys, p, "--allow-quantized-mtp")
-    assert rc == 0 and rep["warnings"] == 24 and rep["errors"] == 0
+    for how in (("--refuse-quantized-mtp",), ()):
+        if not how:
+            monkeypatch.setenv("VLLM_DSV4_MTP_QUANTIZED_MTP", "refuse")
+        rc, msgs, rep = _problems(capsys, p, *how)
+        assert rc == 1 and len(msgs) == 24
+        assert msgs[0] == ("mtp.0.ffn.experts.0.w1.weight: MTP tensor stored mxfp4, refused by "
+                           "VLLM_DSV4_MTP_QUANTIZED_MTP=refuse (the draft runs in BF16; unset it to decode the MTP "
+                           "layer at load)")
 
 
 # --------------------------------------------------------------------------------------------- quantization_config
@@ -365,9 +372,9 @@ def test_library_report_matches_cli(bf16):
 def test_official_fp8_fp4_layout(capsys, tmp_path):
     """The official release's layout: FP8 linears with .scale, int8 FP4 experts; its MTP is quantized too."""
     p = build_tiny_checkpoint(tmp_path, experts="fp4-official", linears="fp8", tokenizer=False)
-    rc, msgs, rep = _problems(capsys, p)
+    rc, msgs, rep = _problems(capsys, p, "--refuse-quantized-mtp")
     assert rc == 1 and all(": MTP tensor stored " in m for m in msgs)
-    rc, _, rep = _problems(capsys, p, "--allow-quantized-mtp")
+    rc, _, rep = _problems(capsys, p)
     assert rc == 0
     assert rep["kinds"]["routed_experts"]["precision"] == "fp4-official"
     assert rep["kinds"]["attention"]["precision"] == "fp8-block"

@@ -66,7 +66,7 @@ def test_plugin_model_serves_the_architecture(llm):
     info = llm.apply_model(operator.methodcaller("describe"))[0]
     assert info["class"] == "vllm_dsv4_mtp.model.deepseek_v4.DeepseekV4ForCausalLM"
     assert info["compress_ratios"] == RATIOS[:4] and info["hash_layers"] == [0]
-    assert info["experts"] == ["portable_bf16"] * 4
+    assert info["expert_activation_quant"] == [False] * 4
     assert info["dtype"] == "torch.float32"
     # kv + C4 compressor [c|z] (2 x 2 x 128) + indexer [c|z] (2 x 2 x 128): one row width for all layers
     assert info["row_widths"] == [128, 128 + 512 + 512, 128 + 256, 128 + 512 + 512]

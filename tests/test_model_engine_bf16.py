@@ -55,7 +55,7 @@ def test_bf16_model_and_text_generation(llm):
     from vllm import SamplingParams
 
     info = llm.apply_model(operator.methodcaller("describe"))[0]
-    assert info["dtype"] == "torch.bfloat16" and info["experts"] == ["portable_bf16"] * 4
+    assert info["dtype"] == "torch.bfloat16" and info["expert_activation_quant"] == [False] * 4
     texts = ["1 + 1 =", "The quick brown fox " * 40, "x" * 900, "def f(a, b):\n    return a + b\n" * 30]
     outs = llm.generate(texts, SamplingParams(max_tokens=12, temperature=0.0))
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)

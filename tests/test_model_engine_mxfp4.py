@@ -65,7 +65,6 @@ def outputs(llm):
 
 def test_mxfp4_experts_serve_w4a4(llm, outputs):
     info = llm.apply_model(operator.methodcaller("describe"))[0]
-    assert info["experts"] == ["portable_mxfp4"] * 4
     assert info["expert_activation_quant"] == [True] * 4
     assert llm.llm_engine.vllm_config.model_config.quantization == "dsv4_mtp_portable"
     # the packed bytes in the model are the checkpoint's, bit for bit (no numeric cast of E8M0)
@@ -74,14 +73,19 @@ def test_mxfp4_experts_serve_w4a4(llm, outputs):
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 4
 
 
-def test_packed_bytes_loaded_verbatim(llm, ckpt):
+def test_experts_are_the_exact_decode_of_the_checkpoint(llm, ckpt):
+    """The engine's expert weights equal the packed E2M1 codes times their E8M0 scales, read as raw bytes (a
+    numeric cast of an E8M0 tensor would turn 2**0, byte 127, into 1)."""
+    from vllm_dsv4_mtp.formats import mxfp4
     from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
 
     r = CheckpointReader(ckpt)
-    got = llm.apply_model(operator.methodcaller("expert_bytes", 3, 5))[0]
+    got = llm.apply_model(operator.methodcaller("expert_weights", 3, 5))[0]
     for shard in ("w1", "w2", "w3"):
-        assert torch.equal(got[shard]["weight"], r.get(f"layers.3.ffn.experts.5.{shard}.weight"))
-        assert torch.equal(got[shard]["weight_scale"], r.get(f"layers.3.ffn.experts.5.{shard}.weight_scale"))
+        scales = r.get(f"layers.3.ffn.experts.5.{shard}.weight_scale")
+        assert int(scales.view(torch.uint8).max()) > 100  # real E8M0 bytes
+        want = mxfp4.dequantize(r.get(f"layers.3.ffn.experts.5.{shard}.weight"), scales, dtype=got[shard].dtype)
+        assert torch.equal(got[shard], want)
 
 
 def test_prompt_logprobs_match_hf_with_w4a4_rounding(outputs, ckpt, tmp_path_factory):

@@ -244,6 +244,8 @@ def test_indexer_really_selects(vllm_dist, tmp_path):
 
 # --------------------------------------------------------------------------------------------- MoE
 def _copy_moe(ref, mine, fmt):
+    """HF's weights into ours through the experts' vLLM-style weight loader; for "mxfp4" both sides get the
+    exact decode of the MXFP4-quantized weights (what the checkpoint loader stores)."""
     from vllm_dsv4_mtp.formats import mxfp4
 
     P = dict(mine.named_parameters())
@@ -256,20 +258,18 @@ def _copy_moe(ref, mine, fmt):
     P["shared_experts.gate_up_proj.weight"].data.copy_(torch.cat([se.gate_proj.weight, se.up_proj.weight]))
     P["shared_experts.down_proj.weight"].data.copy_(se.down_proj.weight)
     inter = mine.experts.intermediate_size
-    for e in range(mine.experts.num_experts):
+    ex = mine.experts
+    for e in range(ex.num_experts):
         w1, w3 = ref.experts.gate_up_proj[e].detach().chunk(2, 0)
         for shard, w in (("w1", w1), ("w3", w3), ("w2", ref.experts.down_proj[e].detach())):
-            if fmt == "bf16":
-                mine.experts.load(f"experts.{e}.{shard}.weight", e, shard, "weight", w)
-                continue
-            packed, scales = mxfp4.quantize(w)
-            mine.experts.load(f"experts.{e}.{shard}.weight", e, shard, "weight", packed)
-            mine.experts.load(f"experts.{e}.{shard}.weight_scale", e, shard, "weight_scale", scales)
-            deq = mxfp4.dequantize(packed, scales)  # HF runs on the exactly dequantized weights
-            if shard == "w2":
-                ref.experts.down_proj.data[e] = deq
-            else:
-                ref.experts.gate_up_proj.data[e, (0 if shard == "w1" else inter):][:inter] = deq
+            if fmt == "mxfp4":
+                w = mxfp4.dequantize(*mxfp4.quantize(w))  # HF runs on the exactly dequantized weights too
+                if shard == "w2":
+                    ref.experts.down_proj.data[e] = w
+                else:
+                    ref.experts.gate_up_proj.data[e, (0 if shard == "w1" else inter):][:inter] = w
+            param = ex.w2_weight if shard == "w2" else ex.w13_weight
+            param.weight_loader(param, w, f"experts.{e}.{shard}.weight", shard_id=shard, expert_id=e)
     _finish_loading(mine)
 
 
@@ -280,6 +280,7 @@ def test_moe_matches_hf(vllm_dist, tmp_path, is_hash, fmt):
     weights; W4A4 equals the same experts on fake-quantised activations."""
     from vllm_dsv4_mtp.formats import mxfp4
     from vllm_dsv4_mtp.kernels.experts import swiglu_clamped
+    from vllm_dsv4_mtp.config import DeepseekV4Spec
     from vllm_dsv4_mtp.model.moe import DeepseekV4MoE
 
     cfg, hcfg, _ = _configs(tmp_path)
@@ -292,8 +293,7 @@ def test_moe_matches_hf(vllm_dist, tmp_path, is_hash, fmt):
         ref.gate.tid2eid.copy_(torch.randint(0, cfg["n_routed_experts"], ref.gate.tid2eid.shape, generator=g))
     else:  # a bias large enough to change the selection, so "bias selects, scores weigh" is tested
         ref.gate.e_score_correction_bias.copy_(torch.randn(cfg["n_routed_experts"], generator=g) * 2)
-    mine = DeepseekV4MoE(SimpleNamespace(**cfg), is_hash=is_hash, expert_format=fmt, prefix=f"model.layers.{lid}.ffn",
-                         activation_quant=False)
+    mine = DeepseekV4MoE(DeepseekV4Spec.from_dict(cfg), lid, prefix=f"model.layers.{lid}.ffn")
     _copy_moe(ref, mine, fmt)
     x = torch.randn(1, 64, cfg["hidden_size"]) * 3
     ids = torch.randint(0, cfg["vocab_size"], (1, 64), generator=g)
@@ -313,7 +313,7 @@ def test_moe_matches_hf(vllm_dist, tmp_path, is_hash, fmt):
             ref44 = mine.shared_experts(x[0])
             for t in range(64):
                 for k in range(e_ids.shape[1]):
-                    w13, w2 = mine.experts.dequantized(int(e_ids[t, k]), torch.float32)
+                    w13, w2 = mine.experts.w13_weight[int(e_ids[t, k])], mine.experts.w2_weight[int(e_ids[t, k])]
                     gu = mxfp4.fake_quant(x[0, t : t + 1]) @ w13.T
                     h = swiglu_clamped(*gu.chunk(2, dim=-1), cfg["swiglu_limit"])
                     ref44[t] += w[t, k] * (mxfp4.fake_quant(h) @ w2.T)[0]

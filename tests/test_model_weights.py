@@ -1,10 +1,10 @@
-"""Weight loading from native DeepSeek-V4 names: the name map, and the loader on real tiny checkpoints.
+"""Weight loading from native DeepSeek-V4 names: the name maps, and the loader on real tiny checkpoints.
 
 The model is built in-process (one-process gloo, TP=1) from the ``VllmConfig`` vLLM makes for the checkpoint,
 so loader errors surface here with their full message. Covered: BF16, Quark MXFP4 and the official layout (FP8
-e4m3 linears with 128x128 ``.scale`` + int8/F8_E8M0 FP4 experts) load completely and agree with the BF16
-weights they were made from; a missing, mis-shaped or unknown tensor and an FP8 weight without its scale are
-errors naming the tensor; ``mtp.*`` is skipped on purpose.
+e4m3 linears with 128x128 ``.scale`` + int8/F8_E8M0 FP4 experts) load completely, every quantized weight
+equal to its exact decode; a missing, mis-shaped, unknown or non-finite tensor and a quantized weight without
+its scale are errors naming the tensor; ``mtp.*`` is skipped on purpose.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_dsv4_mtp.model.weights import map_native_name
+from vllm_dsv4_mtp.weights.names import IN_TREE, PORTABLE, draft_param, target_param
 
 
 def test_native_name_map():
-    m = lambda n: map_native_name(n, num_hidden_layers=4)  # noqa: E731
+    m = lambda n: target_param(n, num_hidden_layers=4)  # noqa: E731
     assert m("embed.weight").param == "model.embed_tokens.weight"
     assert m("head.weight").param == "lm_head.weight"
     assert m("hc_head_fn").param == "model.hc_head.fn"
     t = m("layers.1.attn.wq_a.weight")
-    assert (t.kind, t.param, t.shard) == ("param", "model.layers.1.attn.fused_wqa_wkv.weight", 0)
+    assert (t.kind, t.param, t.shard) == ("stacked", "model.layers.1.attn.fused_wqa_wkv.weight", 0)
     assert m("layers.1.attn.wkv.weight").shard == 1
     t = m("layers.1.attn.indexer.compressor.wgate.weight")
     assert (t.param, t.shard) == ("model.layers.1.attn.indexer.compressor.fused_wkv_wgate.weight", 1)
@@ -34,16 +34,41 @@ def test_native_name_map():
     assert m("layers.3.ffn.shared_experts.w2.weight").param == "model.layers.3.ffn.shared_experts.down_proj.weight"
     t = m("layers.3.ffn.shared_experts.w3.weight")
     assert (t.param, t.shard) == ("model.layers.3.ffn.shared_experts.gate_up_proj.weight", 1)
-    t = m("layers.3.ffn.experts.7.w2.weight_scale")
-    assert (t.kind, t.param, t.expert, t.shard, t.part) == ("expert", "model.layers.3.ffn.experts", 7, "w2",
-                                                             "weight_scale")
-    t = m("layers.1.attn.wq_b.scale")
-    assert (t.kind, t.param) == ("scale", "model.layers.1.attn.wq_b.weight")
-    assert m("mtp.0.e_proj.weight").kind == "skip"
+    t = m("layers.3.ffn.experts.7.w2.weight")
+    assert (t.kind, t.param, t.expert, t.shard) == ("expert", "model.layers.3.ffn.experts.w2_weight", 7, "w2")
+    assert m("layers.1.attn.attn_sink").kind == "sink"
     with pytest.raises(KeyError, match="layers.9.attn.wq_a.weight: layer 9 is beyond num_hidden_layers=4"):
         m("layers.9.attn.wq_a.weight")
-    with pytest.raises(KeyError, match="lm_head.weight: not a DeepSeek-V4 tensor name"):
+    with pytest.raises(KeyError, match="lm_head.weight: not a DeepSeek-V4 main-model tensor name"):
         m("lm_head.weight")
+
+
+def test_draft_name_maps_portable_and_in_tree():
+    """The two draft layouts differ only where vLLM's in-tree layers keep native mHC names and hold routed
+    experts under ``routed_experts``; a fused shared expert becomes expert ``n_routed_experts``."""
+    def m(name, layout, fused=None):
+        return draft_param(name, num_hidden_layers=61, num_mtp_layers=1, layout=layout, fused_shared_expert_id=fused)
+
+    for layout in (PORTABLE, IN_TREE):
+        assert m("mtp.0.e_proj.weight", layout).param == "model.layers.61.e_proj.weight"
+        assert m("mtp.0.norm.weight", layout).param == "model.layers.61.shared_head.norm.weight"
+        t = m("mtp.0.attn.wkv.weight", layout)
+        assert (t.param, t.kind, t.shard) == ("model.layers.61.mtp_block.attn.fused_wqa_wkv.weight", "stacked", 1)
+        assert m("mtp.0.ffn.gate.bias", layout).param == "model.layers.61.mtp_block.ffn.gate.e_score_correction_bias"
+    assert m("mtp.0.hc_head_fn", PORTABLE).param == "model.layers.61.hc_head.fn"
+    assert m("mtp.0.hc_head_fn", IN_TREE).param == "model.layers.61.hc_head_fn"
+    assert m("mtp.0.hc_ffn_scale", PORTABLE).param == "model.layers.61.mtp_block.hc_ffn.scale"
+    assert m("mtp.0.hc_ffn_scale", IN_TREE).param == "model.layers.61.mtp_block.hc_ffn_scale"
+    assert m("mtp.0.ffn.experts.5.w3.weight", PORTABLE).param == "model.layers.61.mtp_block.ffn.experts.w13_weight"
+    t = m("mtp.0.ffn.experts.5.w3.weight", IN_TREE)
+    assert (t.param, t.expert, t.shard) == ("model.layers.61.mtp_block.ffn.experts.routed_experts.w13_weight", 5, "w3")
+    assert m("mtp.0.ffn.shared_experts.w2.weight", IN_TREE).param == (
+        "model.layers.61.mtp_block.ffn.shared_experts.down_proj.weight")
+    t = m("mtp.0.ffn.shared_experts.w2.weight", IN_TREE, fused=384)
+    assert (t.param, t.kind, t.expert, t.shard) == (
+        "model.layers.61.mtp_block.ffn.experts.routed_experts.w2_weight", "expert", 384, "w2")
+    with pytest.raises(KeyError, match="mtp.1.e_proj.weight: MTP layer 1 is beyond num_nextn_predict_layers=1"):
+        m("mtp.1.e_proj.weight", IN_TREE)
 
 
 def _build(ckpt, dtype="float32"):
@@ -93,9 +118,16 @@ def test_bf16_checkpoint_loads_every_tensor(vllm_dist, ckpts):
     assert torch.equal(p["model.layers.1.ffn.experts.w13_weight"][3, 64:], tensors["layers.1.ffn.experts.3.w3.weight"].float())
 
 
+def _decoded(tensors, name, scale_suffix, dtype):
+    from vllm_dsv4_mtp.formats import mxfp4
+
+    return mxfp4.dequantize(tensors[name + ".weight"].view(torch.uint8),
+                            tensors[name + scale_suffix].view(torch.uint8), dtype=dtype)
+
+
 def test_official_layout_decodes_to_the_bf16_weights(vllm_dist, ckpts):
-    """FP8 linears decode (exact block scales) to within FP8 rounding of the BF16 source; FP4 experts keep
-    their bytes (int8 -> uint8 view, F8_E8M0 -> raw bytes)."""
+    """FP8 linears decode (exact block scales) to within FP8 rounding of the BF16 source; FP4 experts equal the
+    exact decode of their bytes (int8 codes, F8_E8M0 scales read as raw bytes), weight-only (W4A16)."""
     from vllm_dsv4_mtp.formats.fp8 import dequantize_block_fp8
 
     model = _build(ckpts["official"], dtype="bfloat16")
@@ -107,11 +139,8 @@ def test_official_layout_decodes_to_the_bf16_weights(vllm_dist, ckpts):
     src = _tensors(ckpts["bf16"])["layers.2.attn.wq_b.weight"].float()
     assert (wq_b.float() - src).abs().max() <= src.abs().max() / 8  # e4m3: 3 mantissa bits
     assert torch.equal(p["model.layers.3.ffn.experts.w2_weight"][5],
-                       tensors["layers.3.ffn.experts.5.w2.weight"].view(torch.uint8))
-    assert torch.equal(p["model.layers.3.ffn.experts.w2_weight_scale"][5],
-                       tensors["layers.3.ffn.experts.5.w2.scale"].view(torch.uint8))
-    info = model.describe()
-    assert info["experts"] == ["portable_mxfp4"] * 4 and info["expert_activation_quant"] == [False] * 4
+                       _decoded(tensors, "layers.3.ffn.experts.5.w2", ".scale", torch.bfloat16))
+    assert model.describe()["expert_activation_quant"] == [False] * 4
 
 
 def test_quark_mxfp4_checkpoint_loads(vllm_dist, ckpts):
@@ -119,8 +148,8 @@ def test_quark_mxfp4_checkpoint_loads(vllm_dist, ckpts):
     tensors = _tensors(ckpts["mxfp4"])
     model.load_weights(tensors.items())
     p = dict(model.named_parameters())
-    assert torch.equal(p["model.layers.1.ffn.experts.w13_weight_scale"][2, :64],
-                       tensors["layers.1.ffn.experts.2.w1.weight_scale"])
+    assert torch.equal(p["model.layers.1.ffn.experts.w13_weight"][2, :64],
+                       _decoded(tensors, "layers.1.ffn.experts.2.w1", ".weight_scale", torch.bfloat16))
     assert model.describe()["expert_activation_quant"] == [True] * 4
 
 
@@ -128,6 +157,8 @@ def test_quark_mxfp4_checkpoint_loads(vllm_dist, ckpts):
     ("drop", r"layers\.2\.attn\.compressor\.ape: tensor missing from the checkpoint"),
     ("reshape", r"layers\.1\.attn\.wo_b\.weight: expected shape \(128, 64\), got \(128, 63\)"),
     ("unknown", r"layers\.1\.attn\.bogus\.weight: unexpected tensor for this config"),
+    ("nan", r"layers\.1\.attn\.wo_b\.weight: 1 non-finite value\(s\) \(NaN or Inf\); the checkpoint is corrupt"),
+    ("ids", r"layers\.0\.ffn\.gate\.tid2eid: expert ids must lie in \[0, 8\)"),
 ])
 def test_bad_checkpoints_are_errors_naming_the_tensor(vllm_dist, ckpts, breakage, message):
     model = _build(ckpts["bf16"])
@@ -136,6 +167,11 @@ def test_bad_checkpoints_are_errors_naming_the_tensor(vllm_dist, ckpts, breakage
         del tensors["layers.2.attn.compressor.ape"]
     elif breakage == "reshape":
         tensors["layers.1.attn.wo_b.weight"] = tensors["layers.1.attn.wo_b.weight"][:, :63]
+    elif breakage == "nan":
+        tensors["layers.1.attn.wo_b.weight"] = tensors["layers.1.attn.wo_b.weight"].clone()
+        tensors["layers.1.attn.wo_b.weight"][3, 5] = float("nan")
+    elif breakage == "ids":
+        tensors["layers.0.ffn.gate.tid2eid"] = tensors["layers.0.ffn.gate.tid2eid"] + 8
     else:
         tensors["layers.1.attn.bogus.weight"] = torch.zeros(3)
     with pytest.raises(ValueError, match=message):
@@ -146,8 +182,8 @@ def test_fp8_weight_without_scale_is_an_error(vllm_dist, ckpts):
     model = _build(ckpts["official"], dtype="bfloat16")
     tensors = _tensors(ckpts["official"])
     del tensors["layers.0.attn.wo_a.scale"]
-    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wo_a\.weight: its block scale \(\.scale / "
-                                         r"\.weight_scale\) is missing from the checkpoint"):
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wo_a\.weight: quantized weight \(torch\.float8_e4m3fn\) "
+                                         r"without its scale \(\.scale / \.weight_scale\) in the checkpoint"):
         model.load_weights(tensors.items())
 
 
@@ -155,8 +191,8 @@ def test_mxfp4_expert_without_scale_is_an_error(vllm_dist, ckpts):
     model = _build(ckpts["mxfp4"], dtype="bfloat16")
     tensors = _tensors(ckpts["mxfp4"])
     del tensors["layers.3.ffn.experts.6.w1.weight_scale"]
-    with pytest.raises(ValueError, match=r"layers\.3\.ffn\.experts\.6\.w1\.weight: MXFP4 expert weight without "
-                                         r"its E8M0 scale"):
+    with pytest.raises(ValueError, match=r"layers\.3\.ffn\.experts\.6\.w1\.weight: quantized weight \(torch\.uint8\) "
+                                         r"without its scale"):
         model.load_weights(tensors.items())
 
 
@@ -169,8 +205,8 @@ def test_mtp_tensors_are_skipped_on_purpose(vllm_dist, ckpts):
 
 
 def test_mxfp4_shared_experts_fse_layout(vllm_dist, ckpts):
-    """The AMD export's main-layer shared experts are MXFP4 (packed + E8M0): loaded as raw bytes and computed by
-    the same emulation as the routed experts (weight-only here: exact decode, then the SwiGLU expert)."""
+    """The AMD export's main-layer shared experts are MXFP4 (packed + E8M0): decoded exactly at load and run with
+    the W4A4 activation rounding of the routed experts."""
     from vllm_dsv4_mtp.formats import mxfp4
     from vllm_dsv4_mtp.kernels.experts import swiglu_clamped
 
@@ -178,13 +214,15 @@ def test_mxfp4_shared_experts_fse_layout(vllm_dist, ckpts):
     tensors = _tensors(ckpts["fse"])
     assert tensors["layers.1.ffn.shared_experts.w2.weight"].dtype == torch.uint8
     model.load_weights(tensors.items())
-    assert model.describe()["shared_experts"] == ["mxfp4"] * 4
+    assert model.describe()["shared_activation_quant"] == [True] * 4
     shared = model.model.layers[1].ffn.shared_experts
-    assert torch.equal(shared.experts.w2_weight_scale[0], tensors["layers.1.ffn.shared_experts.w2.weight_scale"])
-    shared.experts.activation_quant = False
-    x = torch.randn(6, 128, dtype=torch.bfloat16)
-    dq = {s: mxfp4.dequantize(tensors[f"layers.1.ffn.shared_experts.{s}.weight"],
-                              tensors[f"layers.1.ffn.shared_experts.{s}.weight_scale"]).bfloat16()
+    dq = {s: _decoded(tensors, f"layers.1.ffn.shared_experts.{s}", ".weight_scale", torch.bfloat16)
           for s in ("w1", "w2", "w3")}
-    want = swiglu_clamped(x @ dq["w1"].T, x @ dq["w3"].T, 10.0) @ dq["w2"].T
+    assert torch.equal(shared.down_proj.weight, dq["w2"])
+    x = torch.randn(6, 128, dtype=torch.bfloat16)
+    xq = mxfp4.fake_quant(x)
+    want = mxfp4.fake_quant(swiglu_clamped(xq @ dq["w1"].T, xq @ dq["w3"].T, 10.0)) @ dq["w2"].T
+    for m in shared.modules():  # what vLLM's loader does after load_weights (CPU GEMM dispatch)
+        if getattr(m, "quant_method", None) is not None:
+            m.quant_method.process_weights_after_loading(m)
     torch.testing.assert_close(shared(x), want, atol=0, rtol=0)

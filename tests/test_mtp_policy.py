@@ -1,11 +1,12 @@
-"""The MTP draft's precision policy and start-up errors, with their exact messages.
+"""The MTP draft's start-up checks and precision policy, with their exact messages.
 
 Most checks build the draft the way vLLM does (a real ``VllmConfig`` from ``EngineArgs(..., speculative_config=
 {"method": "mtp"}).create_engine_config()``, the draft class constructed under it in a one-process gloo
 context) and feed ``load_weights`` the checkpoint's tensors; one starts a real engine on a checkpoint without
-MTP weights. Covered: quantized MTP weights refused by default / decoded exactly to BF16 on request
-(``VLLM_DSV4_MTP_QUANTIZED_MTP``), the draft never quantized through the target's quant config, MTP weights
-absent / missing / mis-shaped, float16 refused, and vLLM's own behaviour for ``num_nextn_predict_layers: 0``.
+MTP weights. Covered: quantized MTP weights decoded exactly to BF16 by default / refused on request
+(``VLLM_DSV4_MTP_QUANTIZED_MTP=refuse``), the draft never quantized through the target's quant config, MTP
+weights absent (found before any precision question) / missing / mis-shaped, float16 refused, and vLLM's own
+behaviour for ``num_nextn_predict_layers: 0``.
 """
 
 from __future__ import annotations
@@ -18,21 +19,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_dsv4_mtp.model import mtp_policy
+from vllm_dsv4_mtp import draft_policy as mtp_policy
 
 ENV = mtp_policy.QUANTIZED_MTP_ENV
-REFUSAL_TAIL = ("; the DeepSeek-V4 MTP draft runs in BF16. Set VLLM_DSV4_MTP_QUANTIZED_MTP=dequantize to decode "
-                "the quantized MTP weights to BF16 at load, or use a checkpoint whose MTP layer is BF16 (a Quark "
-                "export lists mtp.* in its 'exclude').")
+REFUSAL_TAIL = (", and VLLM_DSV4_MTP_QUANTIZED_MTP=refuse. Unset it (the default, 'dequantize', decodes quantized "
+                "MTP weights exactly to BF16 at load), or use a checkpoint whose MTP layer is stored BF16.")
 
 
 # ------------------------------------------------------------------------------------------ pure policy
 def test_quantized_mtp_option():
-    assert mtp_policy.quantized_mtp_option({}) == "refuse"
-    assert mtp_policy.quantized_mtp_option({ENV: "Dequantize "}) == "dequantize"
+    assert mtp_policy.quantized_mtp_option({}) == "dequantize"  # the draft is BF16 by design
+    assert mtp_policy.quantized_mtp_option({ENV: "Refuse "}) == "refuse"
     with pytest.raises(mtp_policy.MtpPrecisionError) as e:
         mtp_policy.quantized_mtp_option({ENV: "fp8"})
-    assert str(e.value) == "VLLM_DSV4_MTP_QUANTIZED_MTP='fp8' is not valid; expected one of refuse, dequantize"
+    assert str(e.value) == "VLLM_DSV4_MTP_QUANTIZED_MTP='fp8' is not valid; expected one of dequantize, refuse"
 
 
 def test_draft_dtype():
@@ -52,28 +52,32 @@ def _mtp_modules():
     return [s.module for s in weight_slots(spec).values() if s.is_mtp and s.quantizable]
 
 
+def _spec(quantization_config, **fields):
+    from vllm_dsv4_mtp.config import DeepseekV4Spec
+    from vllm_dsv4_mtp.tools.tiny import tiny_config
+
+    return DeepseekV4Spec.from_dict({**tiny_config(**fields), "quantization_config": quantization_config})
+
+
 def test_declared_precisions_of_quark_and_official_configs():
     from vllm_dsv4_mtp.formats.quark_config import mxfp4_experts_config
 
     modules = _mtp_modules()
     assert "mtp.0.e_proj" in modules and "mtp.0.ffn.experts.7.w2" in modules
     # the AMD export's policy: mtp.* excluded -> nothing declared quantized
-    excluded = mxfp4_experts_config(exclude=["re:mtp\\..*"])
-    assert mtp_policy.declared_mtp_precisions(excluded, None, modules) == {}
+    assert mtp_policy.declared_mtp_precisions(_spec(mxfp4_experts_config(exclude=["re:mtp\\..*"]))) == {}
     # a Quark config that does not exclude the MTP layer: its experts (and every linear, global MXFP4) are MXFP4
-    leaky = mxfp4_experts_config(exclude=["head"])
-    declared = mtp_policy.declared_mtp_precisions(leaky, None, modules)
+    declared = mtp_policy.declared_mtp_precisions(_spec(mxfp4_experts_config(exclude=["head"])))
     assert declared["mtp.0.ffn.experts.0.w1"] == "mxfp4" and declared["mtp.0.e_proj"] == "mxfp4"
-    # the official release: FP8 block linears, FP4 routed experts
+    # the official release: FP8 block linears, FP4 routed experts -- also when config.json has no expert_dtype
+    # (the published Pro / Flash configs omit it; vLLM takes it as fp4)
     official = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    declared = mtp_policy.declared_mtp_precisions(official, "fp4", modules)
-    assert declared["mtp.0.h_proj"] == "fp8-block" and declared["mtp.0.ffn.experts.3.w3"] == "fp4"
-    assert declared["mtp.0.ffn.shared_experts.w1"] == "fp8-block"
-    with pytest.raises(mtp_policy.MtpPrecisionError) as e:
-        mtp_policy.check_declared(declared, "refuse", "ckpt/config.json")
-    assert str(e.value) == (f"ckpt/config.json: MTP module mtp.0.attn.wkv (and {len(modules) - 1} more MTP modules) "
-                            "is declared fp8-block by quantization_config" + REFUSAL_TAIL)
-    mtp_policy.check_declared(declared, "dequantize", "ckpt/config.json")  # allowed on request
+    for expert_dtype in ("fp4", None):
+        declared = mtp_policy.declared_mtp_precisions(_spec(official, expert_dtype=expert_dtype))
+        assert declared["mtp.0.h_proj"] == "fp8-block" and declared["mtp.0.ffn.experts.3.w3"] == "fp4"
+        assert declared["mtp.0.ffn.shared_experts.w1"] == "fp8-block"
+    assert mtp_policy.declared_mtp_precisions(_spec(official, expert_dtype="fp8"))["mtp.0.ffn.experts.3.w3"] == (
+        "fp8-block")
 
 
 def test_cpu_expand_kernel_replacement():
@@ -94,12 +98,19 @@ def ckpts(tmp_path_factory):
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("mtp-policy")
+    # what `quantize --allow-missing-mtp` leaves when the Quark config does not exclude the MTP layer: its
+    # config declares mtp.* MXFP4, and there are no mtp.* tensors at all
+    leaky = build_tiny_checkpoint(root / "quark-no-mtp", seed=0, experts="mxfp4", mtp=False)
+    cfg = json.loads((leaky / "config.json").read_text())
+    cfg["quantization_config"]["exclude"] = [e for e in cfg["quantization_config"]["exclude"] if not e.startswith("mtp.")]
+    (leaky / "config.json").write_text(json.dumps(cfg))
     return {
         "bf16": build_tiny_checkpoint(root / "bf16", seed=0),
         "no-mtp": build_tiny_checkpoint(root / "no-mtp", seed=0, mtp=False),
         # the official release layout: FP8 128x128 linears (MTP included) and FP4 routed experts (MTP included)
         "official": build_tiny_checkpoint(root / "official", seed=0, experts="fp4-official", linears="fp8"),
         "quark": build_tiny_checkpoint(root / "quark", seed=0, experts="mxfp4"),
+        "quark-no-mtp": leaky,
     }
 
 
@@ -158,12 +169,12 @@ def test_draft_never_takes_the_targets_quant_config(vllm_dist, ckpts, monkeypatc
             "model.layers.4.mtp_block.ffn.shared_experts.gate_up_proj"]
         for n, m in linears:
             assert isinstance(m.quant_method, UnquantizedLinearMethod), (name, n, m.quant_method)
-        assert draft.describe()["experts"] == "portable_bf16"
+        assert draft.describe()["expert_activation_quant"] is False
         assert draft.model.layer(0).mtp_block.ffn.experts.w13_weight.dtype == torch.bfloat16
 
 
-def test_quantized_mtp_is_refused_by_default(vllm_dist, ckpts, monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
+def test_quantized_mtp_is_refused_on_request(vllm_dist, ckpts, monkeypatch):
+    monkeypatch.setenv(ENV, "refuse")
     with pytest.raises(mtp_policy.MtpPrecisionError) as e:
         _build_draft(ckpts["official"])
     n = len(_mtp_modules())
@@ -175,7 +186,7 @@ def test_quantized_mtp_tensor_refused_even_if_config_says_bf16(vllm_dist, ckpts,
     """A BF16-declared checkpoint with an FP8 MTP tensor: the tensor itself is refused, by name."""
     from vllm_dsv4_mtp.formats.fp8 import quantize_block_fp8
 
-    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv(ENV, "refuse")
     draft = _build_draft(ckpts["bf16"])
     tensors = _tensors(ckpts["bf16"])
     q, s = quantize_block_fp8(tensors["mtp.0.h_proj.weight"].float())
@@ -186,11 +197,11 @@ def test_quantized_mtp_tensor_refused_even_if_config_says_bf16(vllm_dist, ckpts,
                             + REFUSAL_TAIL)
 
 
-def test_quantized_mtp_is_dequantized_exactly_on_request(vllm_dist, ckpts, monkeypatch):
+def test_quantized_mtp_is_dequantized_exactly_by_default(vllm_dist, ckpts, monkeypatch):
     from vllm_dsv4_mtp.formats import mxfp4
     from vllm_dsv4_mtp.formats.fp8 import dequantize_block_fp8
 
-    monkeypatch.setenv(ENV, "dequantize")
+    monkeypatch.delenv(ENV, raising=False)
     draft = _build_draft(ckpts["official"])
     tensors = _tensors(ckpts["official"])
     loaded = draft.load_weights(iter(tensors.items()))
@@ -206,16 +217,22 @@ def test_quantized_mtp_is_dequantized_exactly_on_request(vllm_dist, ckpts, monke
     assert (want.float() - ref).abs().max() <= 0.07 * ref.abs().max()
 
 
-def test_checkpoint_without_mtp_weights_is_an_error(vllm_dist, ckpts):
-    draft = _build_draft(ckpts["no-mtp"])
-    with pytest.raises(ValueError) as e:
-        draft.load_weights(iter(_tensors(ckpts["no-mtp"]).items()))
-    n = len([k for k in _tensors(ckpts["bf16"]) if k.startswith("mtp.")])
-    assert str(e.value) == (
-        f"{ckpts['no-mtp']}: speculative decoding with method 'mtp' needs the checkpoint's MTP layer, but it has no "
-        f"MTP weights: 'mtp.0.e_proj.weight' and the other {n - 1} mtp.* tensors are missing (config.json says "
-        "num_nextn_predict_layers=1). Serve it without a speculative config, or use a checkpoint that ships its "
-        "MTP layer.")
+NO_MTP_TAIL = ("speculative decoding with method 'mtp' needs the checkpoint's MTP layer, but it has no MTP weights: "
+               "no mtp.* tensor in its index or shards (config.json says num_nextn_predict_layers=1). Serve it "
+               "without a speculative config, or use a checkpoint that ships its MTP layer.")
+
+
+@pytest.mark.parametrize("option", ["dequantize", "refuse"])
+def test_checkpoint_without_mtp_weights_is_an_error_before_any_precision_question(vllm_dist, ckpts, monkeypatch,
+                                                                                   option):
+    """The draft's constructor reads the checkpoint's tensor names: no mtp.* is said first, also for a
+    quantized export whose config would otherwise be refused for its precision (what ``quantize
+    --allow-missing-mtp`` writes)."""
+    monkeypatch.setenv(ENV, option)
+    for name in ("no-mtp", "quark-no-mtp"):
+        with pytest.raises(mtp_policy.MtpMissingError) as e:
+            _build_draft(ckpts[name])
+        assert str(e.value) == f"{ckpts[name]}: {NO_MTP_TAIL}"
 
 
 def test_missing_or_misshaped_mtp_tensor_is_named(vllm_dist, ckpts):
@@ -223,7 +240,7 @@ def test_missing_or_misshaped_mtp_tensor_is_named(vllm_dist, ckpts):
     without = {k: v for k, v in tensors.items() if k != "mtp.0.ffn.experts.6.w2.weight"}
     with pytest.raises(ValueError) as e:
         _build_draft(ckpts["bf16"]).load_weights(iter(without.items()))
-    assert str(e.value) == f"{ckpts['bf16']}: MTP tensor 'mtp.0.ffn.experts.6.w2.weight' is missing from the checkpoint"
+    assert str(e.value) == f"{ckpts['bf16']}: mtp.0.ffn.experts.6.w2.weight: tensor missing from the checkpoint"
     bad = dict(tensors, **{"mtp.0.hnorm.weight": torch.ones(64, dtype=torch.bfloat16)})
     with pytest.raises(ValueError) as e:
         _build_draft(ckpts["bf16"]).load_weights(iter(bad.items()))
@@ -267,9 +284,7 @@ def test_engine_start_without_mtp_weights_fails_naming_the_checkpoint(ckpts):
         with pytest.raises(ValueError) as e:
             LLM(model=str(ckpts["no-mtp"]), dtype="bfloat16", enforce_eager=True, max_model_len=256,
                 skip_tokenizer_init=True, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-        assert str(e.value).startswith(
-            f"{ckpts['no-mtp']}: speculative decoding with method 'mtp' needs the checkpoint's MTP layer, but it "
-            "has no MTP weights: 'mtp.0.e_proj.weight' and the other ")
+        assert str(e.value) == f"{ckpts['no-mtp']}: {NO_MTP_TAIL}"
     finally:
         gc.collect()
         if old is None:

@@ -102,7 +102,7 @@ def test_plugin_draft_serves_the_mtp_architecture(run):
     assert info["dtype"] == "torch.float32"
     assert info["layers"] == [4]  # num_hidden_layers + 0
     assert info["compress_ratio"] == 0 and info["hash_routed"] is False  # SWA, bias-routed
-    assert info["experts"] == "portable_bf16"
+    assert info["expert_activation_quant"] is False
     assert info["attention_layer"] == "model.layers.4.mtp_block.attn"
     assert info["shared_head_is_set"]  # vLLM attached the target's LM head
 

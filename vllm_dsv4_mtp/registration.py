@@ -1,23 +1,31 @@
-"""Model registration with vLLM's ``ModelRegistry`` (called by the plugin entry point in every vLLM process).
+"""What the plugin registers with vLLM, per platform (called by the entry point in every vLLM process).
 
-Cheap and free of side effects beyond the registry: model classes are registered as lazy ``"module:Class"``
-strings, so nothing of the model (or torch) is imported until vLLM resolves the architecture.
+* gfx950 (``platform.IN_TREE``): only the draft, ``DeepSeekV4MTPModel`` -> vLLM's in-tree AMD MTP layers in
+  BF16 (``vllm_dsv4_mtp.gfx950.draft``); vLLM's own ``DeepseekV4ForCausalLM`` stays the target.
+* elsewhere (``platform.PORTABLE``): the portable target and draft (``vllm_dsv4_mtp.model``) and the
+  ``dsv4_mtp_portable`` quantization config that lets them read Quark / FP8 checkpoints.
+* a vLLM outside :data:`vllm_dsv4_mtp.serve.versions.SUPPORTED_VLLM`: both architecture names map to a class
+  whose constructor raises the version error, so serving DeepSeek-V4 stops with that one message (and any
+  other model is unaffected); vLLM's plugin loader would swallow an exception raised here.
 
-``VLLM_DSV4_MTP_DISABLE=1`` turns the plugin off: nothing is registered and vLLM's own classes stay.
+Classes are registered as lazy ``"module:Class"`` strings: nothing of the model (or torch) is imported until
+vLLM resolves the architecture. ``VLLM_DSV4_MTP_DISABLE=1`` turns the plugin off.
 """
 
 from __future__ import annotations
 
 import os
 
-# architecture name -> the plugin's class, as a lazy "module:Class" reference
-TARGET_MODELS: dict[str, str] = {
-    "DeepseekV4ForCausalLM": "vllm_dsv4_mtp.model.deepseek_v4:DeepseekV4ForCausalLM",
-}
-# ---- issue 4 (MTP draft) registers here: vLLM's speculative config resolves DeepSeek-V4's draft as
-# ---- "DeepSeekV4MTPModel", e.g. DRAFT_MODELS = {"DeepSeekV4MTPModel": "vllm_dsv4_mtp.model.mtp:DeepSeekV4MTPModel"}
-DRAFT_MODELS: dict[str, str] = {"DeepSeekV4MTPModel": "vllm_dsv4_mtp.model.mtp:DeepSeekV4MTPModel"}
+from vllm_dsv4_mtp import platform
 
+TARGET_ARCH = "DeepseekV4ForCausalLM"
+DRAFT_ARCH = "DeepSeekV4MTPModel"
+PLANS: dict[str, dict[str, str]] = {
+    platform.IN_TREE: {DRAFT_ARCH: "vllm_dsv4_mtp.gfx950.draft:DeepSeekV4MTPModel"},
+    platform.PORTABLE: {TARGET_ARCH: "vllm_dsv4_mtp.model.deepseek_v4:DeepseekV4ForCausalLM",
+                        DRAFT_ARCH: "vllm_dsv4_mtp.model.mtp:DeepSeekV4MTPModel"},
+}
+UNSUPPORTED = "vllm_dsv4_mtp.unsupported:UnsupportedVllm"
 DISABLE_ENV = "VLLM_DSV4_MTP_DISABLE"
 
 _registered = False
@@ -28,8 +36,13 @@ def plugin_disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def models_for(implementation: str) -> dict[str, str]:
+    """Architecture name -> the plugin's lazy class reference, for ``platform.IN_TREE`` / ``PORTABLE``."""
+    return dict(PLANS[implementation])
+
+
 def register_models() -> bool:
-    """Register the plugin's model classes (idempotent; logs one INFO line per process).
+    """Register the plugin's model classes (idempotent; logs one line per process).
 
     Returns True when the plugin's classes are (now or already) registered, False when disabled.
     """
@@ -41,15 +54,28 @@ def register_models() -> bool:
     from vllm import ModelRegistry
     from vllm.logger import init_logger
 
-    for arch, ref in {**TARGET_MODELS, **DRAFT_MODELS}.items():
+    from vllm_dsv4_mtp.serve.versions import UnsupportedVllmError, check_vllm_version
+
+    log = init_logger("vllm.dsv4_mtp")  # a "vllm." name so the line goes through vLLM's log handler
+    try:
+        check_vllm_version()
+    except UnsupportedVllmError as e:
+        for arch in (TARGET_ARCH, DRAFT_ARCH):
+            ModelRegistry.register_model(arch, UNSUPPORTED)
+        log.error("vllm-dsv4-mtp plugin: %s; DeepSeek-V4 will not start (set %s=1 to serve it with vLLM's own "
+                  "classes)", e, DISABLE_ENV)
+        _registered = True
+        return True
+    impl = platform.implementation()
+    models = models_for(impl)
+    for arch, ref in models.items():
         ModelRegistry.register_model(arch, ref)
-    # registers the "dsv4_mtp_portable" quantization config (claims DeepSeek-V4 Quark/FP8 checkpoints off gfx950)
-    import vllm_dsv4_mtp.kernels.portable_quant  # noqa: F401
+    if impl == platform.PORTABLE:
+        import vllm_dsv4_mtp.kernels.portable_quant  # noqa: F401  (registers "dsv4_mtp_portable")
+        what = "portable DeepSeek-V4 target and BF16 MTP draft"
+    else:
+        what = "vLLM's in-tree DeepSeek-V4 target (AITER) + the plugin's BF16 MTP draft"
     _registered = True
-    # a "vllm." logger name so the line goes through vLLM's log handler
-    init_logger("vllm.dsv4_mtp").info(
-        "vllm-dsv4-mtp plugin: %s now served by the plugin; DeepSeek-V4 Quark/FP8 checkpoints use its "
-        "portable quantization off gfx950 (set %s=1 to use vLLM's own classes)",
-        ", ".join(f"{a} -> {r}" for a, r in {**TARGET_MODELS, **DRAFT_MODELS}.items()), DISABLE_ENV,
-    )
+    log.info("vllm-dsv4-mtp plugin (%s): %s; %s (set %s=1 to use vLLM's own classes only)", impl, what,
+             ", ".join(f"{a} -> {r}" for a, r in models.items()), DISABLE_ENV)
     return True

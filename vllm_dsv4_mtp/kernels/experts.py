@@ -1,10 +1,20 @@
-"""The portable routed experts of a DeepSeek-V4 MoE layer: BF16 (:class:`DenseExperts`) or OCP MXFP4
-(:class:`Mxfp4Experts`).
+"""The portable routed experts of a DeepSeek-V4 MoE layer, BF16 or OCP MXFP4 (W4A4 emulated).
 
-The portable MXFP4 method decodes the packed weights exactly (``vllm_dsv4_mtp.formats.mxfp4.dequantize``)
-and reproduces the W4A4 activation rounding of the Quark scheme (dynamic MXFP4 on the input of each GEMM,
-``fake_quant``), in the activation dtype. The routing weight multiplies the expert output after ``w2`` (as
-vLLM's ``FusedMoE`` does), so ``w2``'s input is quantized without it.
+Weights are dense in the model dtype: a checkpoint's MXFP4 / FP4 / FP8 experts are decoded once, exactly, at
+load (``vllm_dsv4_mtp.formats.dequant``), which costs ``16 / 4.25 = 3.8x`` the packed bytes in BF16 (the
+embedded model's 4 x 8 experts: 1.6 MB instead of 0.4 MB) and saves a decode of every hit expert at every
+step. What the Quark W4A4 scheme adds at run time is kept: each GEMM's input is rounded to MXFP4 (dynamic,
+groups of 32 along K, ``mxfp4.fake_quant``) when ``activation_quant`` is set.
+
+Parameters use the names and weight-loader signature of vLLM's fused experts (``w13_weight [E, 2 I, D]`` =
+[w1; w3] rows, ``w2_weight [E, D, I]``; ``weight_loader(param, w, name, shard_id, expert_id)``), so the one
+checkpoint loader fills them like vLLM's own. Tensor parallelism splits the intermediate dim; expert
+parallelism instead gives each rank ``E / world`` whole experts. Either way a rank returns a partial sum and
+the MoE all-reduces.
+
+Dispatch: with few routed assignments the hit experts run one by one; once the assignments reach a quarter of
+the experts they run as one padded grouped GEMM (every expert's tokens gathered into ``[E, C_max, D]``), so
+the number of ops per step does not grow with the batch.
 """
 
 from __future__ import annotations
@@ -15,16 +25,6 @@ from torch import nn
 
 from vllm_dsv4_mtp.formats import mxfp4
 
-PORTABLE_MXFP4 = "portable_mxfp4"
-PORTABLE_BF16 = "portable_bf16"
-
-
-def select_experts_impl(expert_format: str) -> str:
-    """The routed-expert implementation for ``expert_format`` ("bf16" | "mxfp4")."""
-    if expert_format not in ("bf16", "mxfp4"):
-        raise ValueError(f"unknown routed-expert format {expert_format!r}; expected 'bf16' or 'mxfp4'")
-    return PORTABLE_MXFP4 if expert_format == "mxfp4" else PORTABLE_BF16
-
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """``silu(min(gate, L)) * clamp(up, -L, L)``; ``limit <= 0`` disables the clamp."""
@@ -34,167 +34,105 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate) * up
 
 
-def _as_e8m0_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
-    """Raw E8M0 bytes of a stored scale (uint8 or float8_e8m0fnu): a view, never a numeric cast."""
-    if t.dtype == torch.uint8:
-        return t
-    if t.dtype == getattr(torch, "float8_e8m0fnu", None):
-        return t.view(torch.uint8)
-    raise ValueError(f"{name}: MXFP4 scale must be uint8 or float8_e8m0fnu (raw E8M0 bytes), got {t.dtype}")
+class PortableExperts(nn.Module):
+    """``num_experts`` SwiGLU experts of width ``intermediate_size`` on ``hidden_size`` inputs.
 
+    Args:
+        tp_rank, tp_size: this rank's place in the MoE's parallel group.
+        expert_parallel: split whole experts across ranks instead of the intermediate dim.
+        activation_quant: round each GEMM's input to MXFP4 (the W4A4 scheme of a Quark checkpoint).
+    """
 
-def _as_packed_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
-    """Packed E2M1 bytes (Quark uint8, official int8) as uint8, bit for bit."""
-    if t.dtype in (torch.uint8, torch.int8):
-        return t.view(torch.uint8)
-    raise ValueError(f"{name}: packed MXFP4 weight must be uint8/int8, got {t.dtype}")
-
-
-class _ExpertsBase(nn.Module):
-    """Shared shapes, TP split and per-expert weight loading (native ``experts.E.w{1,2,3}``)."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float,
-                 tp_rank: int, tp_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float, *,
+                 tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False, activation_quant: bool = False,
+                 dtype: torch.dtype | None = None):
         super().__init__()
-        if intermediate_size % tp_size:
-            raise ValueError(f"moe_intermediate_size {intermediate_size} not divisible by TP size {tp_size}")
+        split = num_experts if expert_parallel else intermediate_size
+        if split % tp_size:
+            what = "n_routed_experts" if expert_parallel else "moe_intermediate_size"
+            raise ValueError(f"{what} {split} not divisible by the parallel size {tp_size}")
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.local_intermediate = intermediate_size // tp_size
-        self.tp_rank = tp_rank
+        self.local_experts = num_experts // tp_size if expert_parallel else num_experts
+        self.first_expert = tp_rank * self.local_experts if expert_parallel else 0
+        self.local_intermediate = intermediate_size if expert_parallel else intermediate_size // tp_size
+        self.tp_rank = 0 if expert_parallel else tp_rank
         self.swiglu_limit = swiglu_limit
+        self.activation_quant = activation_quant
+        if activation_quant and (hidden_size % mxfp4.BLOCK_SIZE or self.local_intermediate % mxfp4.BLOCK_SIZE):
+            raise ValueError(f"W4A4 experts need hidden_size ({hidden_size}) and the per-rank intermediate size "
+                             f"({self.local_intermediate}) to be multiples of {mxfp4.BLOCK_SIZE}")
+        dtype = dtype or torch.get_default_dtype()
+        e, i = self.local_experts, self.local_intermediate
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
+        for p in (self.w13_weight, self.w2_weight):
+            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def _rows(self, shard: str) -> slice:
-        """Rows of this rank's part of ``w1``/``w3`` (or columns of ``w2``) in the full intermediate dim."""
-        start = self.tp_rank * self.local_intermediate
-        return slice(start, start + self.local_intermediate)
+    # --------------------------------------------------------------------------------------------- loading
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, weight_name: str, shard_id: str,
+                      expert_id: int, return_success: bool = False) -> bool | None:
+        """Store native ``experts.{expert_id}.{shard_id}.weight`` (full ``[I, D]`` / ``[D, I]``) in this rank's
+        slice; returns False (with ``return_success``) for an expert held by another expert-parallel rank."""
+        local = expert_id - self.first_expert
+        if not 0 <= local < self.local_experts:
+            return False if return_success else None
+        i = self.local_intermediate
+        rows = slice(self.tp_rank * i, self.tp_rank * i + i)
+        if shard_id == "w1":
+            param.data[local, :i].copy_(loaded[rows])
+        elif shard_id == "w3":
+            param.data[local, i:].copy_(loaded[rows])
+        elif shard_id == "w2":
+            param.data[local].copy_(loaded[:, rows])
+        else:
+            raise ValueError(f"{weight_name}: unknown expert shard {shard_id!r}")
+        return True if return_success else None
+
+    # --------------------------------------------------------------------------------------------- compute
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        return mxfp4.fake_quant(x) if self.activation_quant else x
+
+    def _swiglu(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return self._act(swiglu_clamped(gate, up, self.swiglu_limit))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``x: [T, D]``, ``weights: [T, k]`` float32, ``ids: [T, k]`` -> ``[T, D]`` (this rank's partial sum)."""
-        out = torch.zeros_like(x)
-        flat_ids = ids.reshape(-1)
-        for e in torch.unique(flat_ids).tolist():
-            token, slot = torch.nonzero(ids == e, as_tuple=True)
-            y = self.expert(e, x[token])
-            out.index_add_(0, token, (y.float() * weights[token, slot].unsqueeze(-1)).to(x.dtype))
-        return out
+        """``x: [T, D]``, ``weights: [T, k]`` float32, ``ids: [T, k]`` global expert ids -> ``[T, D]``
+        (this rank's partial sum of ``sum_k weights[:, k] * expert_{ids[:, k]}(x)``)."""
+        t, k = ids.shape
+        local = ids.reshape(-1) - self.first_expert
+        keep = (local >= 0) & (local < self.local_experts)
+        token = torch.arange(t, device=x.device).repeat_interleave(k)[keep]
+        expert, weight = local[keep], weights.reshape(-1)[keep]
+        out = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
+        if expert.numel():
+            xq = self._act(x)
+            if 4 * expert.numel() >= self.local_experts:
+                y = self._grouped(xq, token, expert)
+            else:
+                y = self._one_by_one(xq, token, expert)
+            out.index_add_(0, token, y.float() * weight.unsqueeze(-1))
+        return out.to(x.dtype)
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def _one_by_one(self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Each hit expert on its tokens: ``[A, D]`` outputs in assignment order."""
+        y = x.new_empty(token.shape[0], x.shape[-1])
+        for e in torch.unique(expert).tolist():
+            sel = (expert == e).nonzero().squeeze(-1)
+            h = self._swiglu(F.linear(x[token[sel]], self.w13_weight[e]))
+            y[sel] = F.linear(h, self.w2_weight[e])
+        return y
 
-
-class DenseExperts(_ExpertsBase):
-    """BF16 (or float32) experts: ``w13_weight [E, 2 I_local, D]``, ``w2_weight [E, D, I_local]``."""
-
-    def __init__(self, num_experts, hidden_size, intermediate_size, swiglu_limit, tp_rank=0, tp_size=1,
-                 dtype: torch.dtype | None = None):
-        super().__init__(num_experts, hidden_size, intermediate_size, swiglu_limit, tp_rank, tp_size)
-        dtype = dtype or torch.get_default_dtype()
-        i = self.local_intermediate
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=dtype), requires_grad=False)
-
-    def load(self, name: str, e: int, shard: str, part: str, t: torch.Tensor) -> None:
-        """Load native ``experts.{e}.{shard}.{part}`` (part ``weight``) into this rank's slice."""
-        if part != "weight":
-            raise ValueError(f"{name}: BF16 experts have no '{part}' tensor (is the checkpoint quantized?)")
-        full = (self.intermediate_size, self.hidden_size) if shard != "w2" else (self.hidden_size, self.intermediate_size)
-        if tuple(t.shape) != full:
-            raise ValueError(f"{name}: expected shape {full}, got {tuple(t.shape)}")
-        if t.dtype in (torch.uint8, torch.int8, torch.float8_e4m3fn):
-            raise ValueError(f"{name}: stored as {t.dtype} but this model was built for BF16 experts")
-        rows = self._rows(shard)
-        i = self.local_intermediate
-        if shard == "w1":
-            self.w13_weight.data[e, :i].copy_(t[rows])
-        elif shard == "w3":
-            self.w13_weight.data[e, i:].copy_(t[rows])
-        else:
-            self.w2_weight.data[e].copy_(t[:, rows])
-
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w13_weight[e]).chunk(2, dim=-1)
-        return F.linear(swiglu_clamped(gate, up, self.swiglu_limit), self.w2_weight[e])
-
-
-class Mxfp4Experts(_ExpertsBase):
-    """OCP MXFP4 experts, W4A4 emulated: packed ``w13_weight [E, 2 I_local, D/2]`` uint8 +
-    ``w13_weight_scale [E, 2 I_local, D/32]`` uint8 E8M0, ``w2_weight [E, D, I_local/2]`` +
-    ``w2_weight_scale [E, D, I_local/32]``.
-
-    ``activation_quant=False`` gives weight-only rounding (W4A16), used to compare against a model run on the
-    dequantized weights exactly.
-    """
-
-    def __init__(self, num_experts, hidden_size, intermediate_size, swiglu_limit, tp_rank=0, tp_size=1,
-                 activation_quant: bool = True):
-        super().__init__(num_experts, hidden_size, intermediate_size, swiglu_limit, tp_rank, tp_size)
-        g = mxfp4.BLOCK_SIZE
-        i = self.local_intermediate
-        if hidden_size % g or i % g:
-            raise ValueError(f"MXFP4 experts need hidden_size ({hidden_size}) and the per-rank intermediate size "
-                             f"({i}) to be multiples of {g}")
-        u8 = torch.uint8
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size // 2, dtype=u8), requires_grad=False)
-        self.w13_weight_scale = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size // g, dtype=u8),
-                                             requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i // 2, dtype=u8), requires_grad=False)
-        self.w2_weight_scale = nn.Parameter(torch.empty(num_experts, hidden_size, i // g, dtype=u8),
-                                            requires_grad=False)
-        self.activation_quant = activation_quant
-
-    def load(self, name: str, e: int, shard: str, part: str, t: torch.Tensor) -> None:
-        """Load native ``experts.{e}.{shard}.weight`` (packed) or ``.weight_scale`` / ``.scale`` (E8M0)."""
-        g = mxfp4.BLOCK_SIZE
-        if part == "weight":
-            t = _as_packed_bytes(t, name)
-            div = 2
-        elif part in ("weight_scale", "scale"):
-            t = _as_e8m0_bytes(t, name)
-            div = g
-        else:
-            raise ValueError(f"{name}: unexpected MXFP4 expert tensor '{part}'")
-        full = (self.intermediate_size, self.hidden_size // div) if shard != "w2" else (
-            self.hidden_size, self.intermediate_size // div)
-        if tuple(t.shape) != full:
-            raise ValueError(f"{name}: expected shape {full}, got {tuple(t.shape)}")
-        rows = self._rows(shard)
-        i = self.local_intermediate
-        w13 = self.w13_weight if part == "weight" else self.w13_weight_scale
-        w2 = self.w2_weight if part == "weight" else self.w2_weight_scale
-        if shard == "w1":
-            w13.data[e, :i].copy_(t[rows])
-        elif shard == "w3":
-            w13.data[e, i:].copy_(t[rows])
-        else:
-            cols = slice(rows.start // div, rows.stop // div)
-            w2.data[e].copy_(t[:, cols])
-
-    def dequantized(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact decode of expert ``e``: ``(w13 [2 I_local, D], w2 [D, I_local])`` in ``dtype``."""
-        w13 = mxfp4.dequantize(self.w13_weight[e], self.w13_weight_scale[e], dtype=torch.float32)
-        w2 = mxfp4.dequantize(self.w2_weight[e], self.w2_weight_scale[e], dtype=torch.float32)
-        return w13.to(dtype), w2.to(dtype)
-
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        w13, w2 = self.dequantized(e, x.dtype)
-        if self.activation_quant:
-            x = mxfp4.fake_quant(x)
-        gate, up = F.linear(x, w13).chunk(2, dim=-1)
-        h = swiglu_clamped(gate, up, self.swiglu_limit)
-        if self.activation_quant:
-            h = mxfp4.fake_quant(h)
-        return F.linear(h, w2)
-
-
-def make_routed_experts(impl: str, *, num_experts: int, hidden_size: int, intermediate_size: int,
-                        swiglu_limit: float, tp_rank: int, tp_size: int, activation_quant: bool = True) -> nn.Module:
-    """Build the routed experts for an implementation chosen by :func:`select_experts_impl`."""
-    common = dict(num_experts=num_experts, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                  swiglu_limit=swiglu_limit, tp_rank=tp_rank, tp_size=tp_size)
-    if impl == PORTABLE_MXFP4:
-        return Mxfp4Experts(**common, activation_quant=activation_quant)
-    if impl == PORTABLE_BF16:
-        return DenseExperts(**common)
-    raise ValueError(f"unknown routed-expert implementation {impl!r}")
+    def _grouped(self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """All experts as one padded batched GEMM: assignments gathered into ``[E, C_max, D]``."""
+        counts = torch.bincount(expert, minlength=self.local_experts)
+        order = torch.argsort(expert, stable=True)
+        start = torch.cumsum(counts, 0) - counts
+        slot = torch.empty_like(order)
+        slot[order] = torch.arange(order.shape[0], device=x.device) - start[expert[order]]
+        xin = x.new_zeros(self.local_experts, int(counts.max()), x.shape[-1])
+        xin[expert, slot] = x[token]
+        h = self._swiglu(torch.bmm(xin, self.w13_weight.transpose(1, 2)))
+        return torch.bmm(h, self.w2_weight.transpose(1, 2))[expert, slot]

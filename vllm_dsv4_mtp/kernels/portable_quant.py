@@ -3,10 +3,10 @@
 Off gfx950, vLLM's own handlers of DeepSeek-V4 checkpoints do not fit the plugin's portable path: Quark
 (``quant_method: quark``, the AMD MXFP4 export) admits only bf16/fp16 activations and would build Quark
 kernels, and the official release's ``quant_method: fp8`` goes to in-tree FP8 kernels. The portable model
-decodes FP8 linears at load and runs MXFP4 experts in its own emulation (``kernels/experts.py``), reading
-the checkpoint's own ``quantization_config`` for what is stored, so it needs from vLLM only a config that
-claims these checkpoints, asks nothing of any layer (``get_quant_method`` returns None) and accepts
-float32 as well (the dtype of the tight parity checks against HF transformers).
+decodes every quantized weight exactly at load and emulates the W4A4 activation rounding itself
+(``model/quantization.py``), reading the checkpoint's own ``quantization_config``, so it needs from vLLM only
+a config that claims these checkpoints, asks nothing of any layer (``get_quant_method`` returns None) and
+accepts float32 as well (the dtype of the tight parity checks against HF transformers).
 
 :class:`PortableDeepseekV4QuantConfig` is registered as ``dsv4_mtp_portable`` and claims a checkpoint through
 ``override_quantization_method`` only when it is a DeepSeek-V4 Quark/FP8 checkpoint and the expert seam picks
@@ -34,7 +34,9 @@ def claims(hf_quant_cfg: dict | None, hf_config: Any, *, gfx950: bool) -> bool:
     # config to model_type deepseek_mtp, keeping every DeepSeek-V4 field such as compress_ratios)
     if getattr(hf_config, "model_type", None) not in ("deepseek_v4", "deepseek_mtp"):
         return False
-    if getattr(hf_config, "compress_ratios", None) is None or getattr(hf_config, "hc_mult", None) is None:
+    # vLLM 0.32 keeps the native compress_ratios; 0.33's transformers config has layer_types instead
+    schedule = getattr(hf_config, "compress_ratios", None) or getattr(hf_config, "layer_types", None)
+    if schedule is None or getattr(hf_config, "hc_mult", None) is None:
         return False
     return not gfx950
 

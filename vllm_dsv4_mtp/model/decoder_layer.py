@@ -15,35 +15,35 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 
+from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.model.attention import DeepseekV4Attention
 from vllm_dsv4_mtp.model.hyper_connection import HyperConnection
 from vllm_dsv4_mtp.model.moe import DeepseekV4MoE
+from vllm_dsv4_mtp.model.quantization import LayerRounding
 
 
 class DeepseekV4DecoderLayer(nn.Module):
     """Native ``layers.N.*`` (or ``mtp.i.*`` without the MTP-only tensors).
 
     Args:
-        compress_ratio: 0 (SWA), 4 (C4 + indexer) or another ratio (C128-style); MTP blocks pass 0.
-        is_hash: hash-routed MoE (``gate.tid2eid``) instead of bias-routed.
-        expert_format: "bf16" | "mxfp4" routed experts (see ``kernels/experts.py``).
-        shared_format: "bf16" (also FP8 checkpoints, decoded at load) | "mxfp4" (AMD export's main layers).
+        spec: the validated config; ``layer_id`` numbers main layers ``0..n-1`` and MTP layers ``n + i``,
+            which fixes the compress ratio (MTP: 0, sliding window) and hash routing (first layers only).
+        rounding: the W4A4 activation rounding of this layer's experts (none for BF16 checkpoints and the draft).
     """
 
-    def __init__(self, vllm_config: VllmConfig, *, compress_ratio: int, is_hash: bool, expert_format: str,
-                 prefix: str, activation_quant: bool = True, shared_format: str = "bf16"):
+    def __init__(self, vllm_config: VllmConfig, spec: DeepseekV4Spec, layer_id: int, *, prefix: str,
+                 rounding: LayerRounding = LayerRounding()):
         super().__init__()
-        config = vllm_config.model_config.hf_config
-        d, hc, eps = config.hidden_size, config.hc_mult, config.rms_norm_eps
-        iters = getattr(config, "hc_sinkhorn_iters", 20)
-        hc_eps = getattr(config, "hc_eps", 1e-6)
-        self.attn = DeepseekV4Attention(vllm_config, compress_ratio=compress_ratio, prefix=f"{prefix}.attn")
-        self.ffn = DeepseekV4MoE(config, is_hash=is_hash, expert_format=expert_format, prefix=f"{prefix}.ffn",
-                                 activation_quant=activation_quant, shared_format=shared_format)
+        d, hc, eps = spec.hidden_size, spec.hc_mult, spec.rms_norm_eps
+        self.attn = DeepseekV4Attention(vllm_config, compress_ratio=spec.compress_ratio(layer_id),
+                                        prefix=f"{prefix}.attn")
+        self.ffn = DeepseekV4MoE(spec, layer_id, prefix=f"{prefix}.ffn", routed_w4a4=rounding.routed,
+                                 shared_w4a4=rounding.shared,
+                                 expert_parallel=vllm_config.parallel_config.enable_expert_parallel)
         self.attn_norm = RMSNorm(d, eps=eps)
         self.ffn_norm = RMSNorm(d, eps=eps)
-        self.hc_attn = HyperConnection(d, hc, iters, hc_eps, eps)
-        self.hc_ffn = HyperConnection(d, hc, iters, hc_eps, eps)
+        self.hc_attn = HyperConnection(d, hc, spec.hc_sinkhorn_iters, spec.hc_eps, eps)
+        self.hc_ffn = HyperConnection(d, hc, spec.hc_sinkhorn_iters, spec.hc_eps, eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """``x: [T, hc, D]`` streams, ``positions: [T]``, ``input_ids: [T]`` -> ``[T, hc, D]``."""

@@ -9,7 +9,7 @@ Router, per token (float32)::
 
 Every expert (routed and shared) is ``w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))`` with ``L = swiglu_limit``;
 the output is ``sum_k w_k expert_k(x) + shared(x)``. The routed-expert GEMMs are in
-``vllm_dsv4_mtp.kernels.experts``.
+``vllm_dsv4_mtp.kernels.experts``; every layer reads its sizes and routing rule from the validated spec.
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ from vllm.distributed import (
 )
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
-from vllm_dsv4_mtp.kernels.experts import (
-    Mxfp4Experts,
-    make_routed_experts,
-    select_experts_impl,
-    swiglu_clamped,
-)
+from vllm_dsv4_mtp.config import DeepseekV4Spec
+from vllm_dsv4_mtp.formats import mxfp4
+from vllm_dsv4_mtp.kernels.experts import PortableExperts, swiglu_clamped
 
 _SCORE_FUNCS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
@@ -75,11 +72,14 @@ class Router(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """Native ``ffn.shared_experts.w{1,2,3}``: ``gate_up_proj`` = [w1; w3] (column-parallel), ``down_proj`` = w2."""
+    """Native ``ffn.shared_experts.w{1,2,3}``: ``gate_up_proj`` = [w1; w3] (column-parallel), ``down_proj`` = w2.
 
-    fmt = "bf16"
+    ``activation_quant``: the AMD export stores the main layers' shared experts MXFP4 under the W4A4 scheme;
+    their weights are decoded at load and each GEMM's input is rounded to MXFP4, as for the routed experts.
+    """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float, prefix: str):
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float, prefix: str,
+                 activation_quant: bool = False):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, bias=False, quant_config=None, prefix=f"{prefix}.gate_up_proj",
@@ -91,62 +91,41 @@ class SharedExpert(nn.Module):
             prefix=f"{prefix}.down_proj", return_bias=False,
         )
         self.swiglu_limit = swiglu_limit
+        self.activation_quant = activation_quant
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        return mxfp4.fake_quant(x) if self.activation_quant else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(swiglu_clamped(gate, up, self.swiglu_limit))
-
-
-class Mxfp4SharedExpert(nn.Module):
-    """A shared expert stored MXFP4 (the AMD export's main layers: "FSE" layout, so it can join the routed
-    grouped GEMM on gfx950). Portable path: the routed experts' MXFP4 emulation with one expert, weight 1."""
-
-    fmt = "mxfp4"
-
-    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float, activation_quant: bool,
-                 tp_rank: int, tp_size: int):
-        super().__init__()
-        self.experts = Mxfp4Experts(1, hidden_size, intermediate_size, swiglu_limit, tp_rank=tp_rank,
-                                    tp_size=tp_size, activation_quant=activation_quant)
-
-    def load(self, name: str, shard: str, part: str, t: torch.Tensor) -> None:
-        self.experts.load(name, 0, shard, part, t)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts.expert(0, x)
+        gate, up = self.gate_up_proj(self._act(x)).chunk(2, dim=-1)
+        return self.down_proj(self._act(swiglu_clamped(gate, up, self.swiglu_limit)))
 
 
 class DeepseekV4MoE(nn.Module):
-    """One MoE layer (native ``layers.N.ffn.*``): router, routed experts (platform seam), shared expert."""
+    """One MoE layer (native ``layers.N.ffn.*`` / ``mtp.i.ffn.*``): router, routed experts, shared expert.
 
-    def __init__(self, config, *, is_hash: bool, expert_format: str, prefix: str, activation_quant: bool = True,
-                 shared_format: str = "bf16"):
+    Args:
+        layer_id: the layer in the config's numbering (MTP layers: ``num_hidden_layers + i``).
+        routed_w4a4, shared_w4a4: round the experts' GEMM inputs to MXFP4 (a Quark W4A4 checkpoint).
+        expert_parallel: whole experts per rank instead of a slice of every expert.
+    """
+
+    def __init__(self, spec: DeepseekV4Spec, layer_id: int, *, prefix: str, routed_w4a4: bool = False,
+                 shared_w4a4: bool = False, expert_parallel: bool = False):
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
         self.tp_size = tp_size
         self.gate = Router(
-            config.hidden_size, config.n_routed_experts, config.num_experts_per_tok, config.vocab_size,
-            is_hash=is_hash, scoring_func=getattr(config, "scoring_func", "sqrtsoftplus"),
-            routed_scaling_factor=config.routed_scaling_factor,
-            renormalize=getattr(config, "norm_topk_prob", True),
+            spec.hidden_size, spec.n_routed_experts, spec.num_experts_per_tok, spec.vocab_size,
+            is_hash=spec.is_hash_layer(layer_id), scoring_func=spec.scoring_func,
+            routed_scaling_factor=spec.routed_scaling_factor, renormalize=spec.norm_topk_prob,
         )
-        shared_inter = config.moe_intermediate_size * config.n_shared_experts
-        if shared_format == "mxfp4":
-            self.shared_experts = Mxfp4SharedExpert(
-                config.hidden_size, shared_inter, config.swiglu_limit, activation_quant,
-                get_tensor_model_parallel_rank(), tp_size,
-            )
-        elif shared_format == "bf16":
-            self.shared_experts = SharedExpert(config.hidden_size, shared_inter, config.swiglu_limit,
-                                               prefix=f"{prefix}.shared_experts")
-        else:
-            raise ValueError(f"{prefix}.shared_experts: unsupported storage {shared_format!r} (bf16 or mxfp4)")
-        self.experts_impl = select_experts_impl(expert_format)
-        self.expert_format = expert_format
-        self.experts = make_routed_experts(
-            self.experts_impl, num_experts=config.n_routed_experts, hidden_size=config.hidden_size,
-            intermediate_size=config.moe_intermediate_size, swiglu_limit=config.swiglu_limit,
-            tp_rank=get_tensor_model_parallel_rank(), tp_size=tp_size, activation_quant=activation_quant,
+        self.shared_experts = SharedExpert(spec.hidden_size, spec.shared_intermediate_size, spec.swiglu_limit,
+                                           prefix=f"{prefix}.shared_experts", activation_quant=shared_w4a4)
+        self.experts = PortableExperts(
+            spec.n_routed_experts, spec.hidden_size, spec.moe_intermediate_size, spec.swiglu_limit,
+            tp_rank=get_tensor_model_parallel_rank(), tp_size=tp_size, expert_parallel=expert_parallel,
+            activation_quant=routed_w4a4,
         )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:

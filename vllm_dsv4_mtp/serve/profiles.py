@@ -67,7 +67,8 @@ class KnownCheckpoint:
 
 
 def _v4_config(*, hidden, layers, heads, q_lora, o_groups, ratios, index_topk, experts, inter, scale):
-    """The HF-style config.json fields of a released DeepSeek-V4 (dsv4-architecture.md, section 1)."""
+    """The config.json fields of a released DeepSeek-V4, as published: no ``expert_dtype`` (vLLM then takes the
+    routed experts as FP4), and no ``quantization_config`` (it differs by export, see KNOWN_CHECKPOINTS)."""
     return MappingProxyType({
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
         "vocab_size": 129280, "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
@@ -79,9 +80,9 @@ def _v4_config(*, hidden, layers, heads, q_lora, o_groups, ratios, index_topk, e
         "max_position_embeddings": 1048576, "index_n_heads": 64, "index_head_dim": 128, "index_topk": index_topk,
         "num_hash_layers": 3, "n_routed_experts": experts, "num_experts_per_tok": 6, "n_shared_experts": 1,
         "moe_intermediate_size": inter, "routed_scaling_factor": scale, "scoring_func": "sqrtsoftplus",
-        "topk_method": "noaux_tc", "norm_topk_prob": True, "swiglu_limit": 10.0, "hc_mult": 4,
+        "topk_method": "noaux_tc", "norm_topk_prob": True, "hidden_act": "silu", "swiglu_limit": 10.0, "hc_mult": 4,
         "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "num_nextn_predict_layers": 1,
-        "tie_word_embeddings": False, "expert_dtype": "fp4",
+        "tie_word_embeddings": False,
     })
 
 

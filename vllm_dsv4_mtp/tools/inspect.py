@@ -8,7 +8,8 @@ the MTP layer is present and in which precision, and a list of :class:`Problem` 
 
 - a tensor missing, mis-shaped or in the wrong dtype against config.json;
 - a scale missing, mis-shaped or in the wrong dtype for a quantized weight;
-- an MTP layer absent, or stored quantized (the draft must be BF16);
+- an MTP layer absent, or stored quantized (a warning: the BF16 draft decodes it at load; an error under
+  ``VLLM_DSV4_MTP_QUANTIZED_MTP=refuse``);
 - a ``quantization_config`` that does not describe what is stored: quantized tensors it excludes or does not
   cover, BF16 linears it would quantize, quantized tensors with no config at all;
 - tensors that are not part of the layout (e.g. a compressor on a sliding-window layer).
@@ -360,12 +361,18 @@ class _Inspector:
             rep.mtp_layers_present.append(layer)
             for slot in missing:
                 self.missing(slot)
-        sev = "warning" if self.allow_quantized_mtp else "error"
-        for name, precision in self.stored_precision.items():
-            if name.startswith("mtp.") and precision in _QUANTIZED:
+        quantized = {n: p for n, p in self.stored_precision.items() if n.startswith("mtp.") and p in _QUANTIZED}
+        if quantized and self.allow_quantized_mtp:  # the draft's default: decoded exactly to BF16 at load
+            kinds = ", ".join(sorted(set(quantized.values())))
+            self.problem("mtp-quantized", None,
+                         f"{len(quantized)} MTP tensor(s) stored quantized ({kinds}); the plugin's BF16 MTP draft "
+                         "decodes them exactly to BF16 at load (VLLM_DSV4_MTP_QUANTIZED_MTP=refuse would refuse "
+                         "them)", "warning")
+        elif quantized:
+            for name, precision in quantized.items():
                 self.problem("mtp-quantized", name,
-                             f"{name}: MTP tensor stored {precision}; the MTP draft must be BF16 (dequantize the "
-                             f"MTP layer, or allow it explicitly)", sev)
+                             f"{name}: MTP tensor stored {precision}, refused by VLLM_DSV4_MTP_QUANTIZED_MTP=refuse "
+                             "(the draft runs in BF16; unset it to decode the MTP layer at load)")
 
     def check_quant_config(self, slots: dict[str, WeightSlot]) -> None:
         """Does config.json's ``quantization_config`` describe what is stored? (none / official fp8 / Quark)"""
@@ -396,9 +403,9 @@ class _Inspector:
             if p == "mxfp4":
                 self.problem("quant-config", name, f"{name}: stored mxfp4 (Quark layout) but "
                              f"quantization_config.quant_method is 'fp8', not 'quark'")
-            elif p == "fp4-official" and self.spec.expert_dtype != "fp4":
+            elif p == "fp4-official" and self.spec.official_expert_dtype != "fp4":
                 self.problem("quant-config", name, f"{name}: stored fp4-official but config.json "
-                             f"expert_dtype is {self.spec.expert_dtype!r}, not 'fp4'")
+                             f"expert_dtype is {self.spec.expert_dtype!r}, not 'fp4' (absent means fp4)")
 
     def check_quark_config(self, qc: dict[str, Any], quantized: dict[str, str],
                            slots: dict[str, WeightSlot]) -> None:
@@ -473,10 +480,15 @@ def _quark_mismatch(name: str, module: str, stored: str, excluded: bool, wanted:
             return None
         return (f"{name}: stored {stored} but quantization_config quantizes '{module}' as {wanted} "
                 f"(it is not in exclude)")
-    if stored == "fp4-official":
-        return f"{name}: stored in the official FP4 layout (int8 + .scale) under a Quark quantization_config"
     if excluded:
+        # Quark's exports keep excluded layers in the source checkpoint's format (AMD's MXFP4 export: its MTP
+        # layer as the official release stores it, FP8 blocks and FP4 experts); only Quark's own MXFP4 is wrong
+        if stored in ("fp8-block", "fp4-official"):
+            return None
         return f"{name}: stored {stored} but quantization_config excludes '{module}'"
+    if stored == "fp4-official":
+        return (f"{name}: stored in the official FP4 layout (int8 + .scale) but quantization_config quantizes "
+                f"'{module}' as {wanted}")
     if wanted is None:
         return f"{name}: stored {stored} but no quantization_config spec covers '{module}'"
     if wanted != stored:
@@ -484,8 +496,16 @@ def _quark_mismatch(name: str, module: str, stored: str, excluded: bool, wanted:
     return None
 
 
-def inspect_checkpoint(path: str | Path, *, allow_quantized_mtp: bool = False) -> InspectReport:
-    """Inspect a checkpoint directory (headers only). Never raises for a bad checkpoint: problems are reported."""
+def inspect_checkpoint(path: str | Path, *, allow_quantized_mtp: bool | None = None) -> InspectReport:
+    """Inspect a checkpoint directory (headers only). Never raises for a bad checkpoint: problems are reported.
+
+    ``allow_quantized_mtp``: whether a quantized MTP layer is acceptable (one warning) or an error per tensor;
+    None follows the draft's own policy, ``VLLM_DSV4_MTP_QUANTIZED_MTP`` (default: decoded at load, allowed).
+    """
+    if allow_quantized_mtp is None:
+        from vllm_dsv4_mtp.draft_policy import REFUSE, quantized_mtp_option
+
+        allow_quantized_mtp = quantized_mtp_option() != REFUSE
     report = InspectReport(path=str(path))
     try:
         reader = CheckpointReader(path)

@@ -20,9 +20,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("dir", help="checkpoint directory (config.json + safetensors)")
     p.add_argument("--json", action="store_true", help="print the machine-readable report")
-    p.add_argument("--allow-quantized-mtp", action="store_true",
-                   help="report a quantized MTP layer as a warning instead of an error (e.g. the official "
-                        "FP8 release, whose MTP the plugin dequantizes to BF16 at load)")
+    mtp = p.add_mutually_exclusive_group()
+    mtp.add_argument("--allow-quantized-mtp", dest="allow_quantized_mtp", action="store_const", const=True,
+                     help="a quantized MTP layer is a warning (the default, unless VLLM_DSV4_MTP_QUANTIZED_MTP="
+                          "refuse): the plugin's BF16 draft decodes it at load")
+    mtp.add_argument("--refuse-quantized-mtp", dest="allow_quantized_mtp", action="store_const", const=False,
+                     help="a quantized MTP tensor is an error, as the draft under VLLM_DSV4_MTP_QUANTIZED_MTP=refuse")
     p.set_defaults(func=run)
     return p
 

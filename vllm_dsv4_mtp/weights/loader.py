@@ -1,0 +1,155 @@
+"""The one checkpoint loader: native DeepSeek-V4 tensors into a target or a draft, strictly.
+
+Every tensor of the model's part of the checkpoint (``scope``: the main model, or the ``mtp.*`` layer) is
+loaded or refused with an error naming the checkpoint and the tensor:
+
+1. quantized tensors are paired with their scales and decoded exactly to the model dtype
+   (:mod:`vllm_dsv4_mtp.formats.dequant`); ``admit`` may refuse them first (the draft's precision policy);
+2. each tensor is checked against the native layout of the config (:func:`vllm_dsv4_mtp.config.weight_slots`):
+   known name, logical shape, a storage precision the slot allows, integer ids in range, finite values;
+3. :mod:`vllm_dsv4_mtp.weights.names` says which parameter receives it; the parameter's own vLLM
+   ``weight_loader`` (tensor-parallel slicing, stacked shards, fused experts) stores it;
+4. at the end, a tensor the layout expects but the checkpoint lacks, or a parameter nothing filled, is an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+from vllm_dsv4_mtp.config import DeepseekV4Spec, WeightSlot, weight_slots
+from vllm_dsv4_mtp.formats.dequant import DENSE, Decoded, Dequantizer, is_quantized_weight, scale_owner
+from vllm_dsv4_mtp.weights.names import ParamRef
+
+logger = init_logger("vllm.dsv4_mtp.weights")
+
+TARGET = "target"
+DRAFT = "draft"
+
+# (native name, tensor) -> None, or raises: the draft's precision policy, asked before a quantized tensor is kept
+Admit = Callable[[str, torch.Tensor], None]
+
+
+class CheckpointLoader:
+    """One pass over a checkpoint's ``(name, tensor)`` stream into ``model``'s parameters.
+
+    Args:
+        model: the module whose ``named_parameters()`` the mapped names refer to.
+        spec: the validated config. ``scope``: ``TARGET`` (everything but ``mtp.*``) or ``DRAFT`` (``mtp.*``).
+        dtype: the model's activation dtype, which quantized tensors are decoded to.
+        param_for: native name -> :class:`ParamRef` (KeyError for a name outside the layout).
+        source: the checkpoint path, prefixed to every error.
+        admit: called with every quantized weight and scale before it is used.
+        not_from_checkpoint: parameter names filled by someone else (the draft's shared embedding and head).
+    """
+
+    def __init__(self, model: nn.Module, spec: DeepseekV4Spec, *, scope: str, dtype: torch.dtype,
+                 param_for: Callable[[str], ParamRef], source: str, admit: Admit | None = None,
+                 not_from_checkpoint: Iterable[str] = ()):
+        self.spec = spec
+        self.scope = scope
+        self.param_for = param_for
+        self.source = source
+        self.admit = admit
+        self.params = dict(model.named_parameters())
+        self.not_from_checkpoint = set(not_from_checkpoint)
+        self.dequantizer = Dequantizer(dtype, source)
+        self.slots = {n: s for n, s in weight_slots(spec, mtp=True).items() if s.is_mtp == (scope == DRAFT)}
+        self.seen: set[str] = set()
+        self.loaded: set[str] = set()
+        self.skipped = 0
+        self.decoded: dict[str, int] = {}
+
+    # --------------------------------------------------------------------------------------------- stream
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, t in weights:
+            if name.startswith("mtp.") != (self.scope == DRAFT):
+                self.skipped += 1  # the other model's tensors (the draft shares embed / head with the target)
+                continue
+            if self.admit is not None and (scale_owner(name) or is_quantized_weight(name, t)):
+                self.admit(name, t)
+            for d in self.dequantizer.feed(name, t):
+                self._place(d)
+        self.dequantizer.finish()
+        self._check_complete()
+        return self.loaded | self.not_from_checkpoint
+
+    def _err(self, msg: str) -> ValueError:
+        return ValueError(f"{self.source}: {msg}")
+
+    def _place(self, d: Decoded) -> None:
+        try:
+            ref = self.param_for(d.name)
+        except KeyError as e:  # a name outside the layout: the map says why (layer index, prefix)
+            raise self._err(str(e.args[0])) from None
+        slot = self.slots.get(d.name)
+        if slot is None:
+            raise self._err(f"{d.name}: unexpected tensor for this config (no such tensor in the DeepSeek-V4 "
+                            f"{'MTP ' if self.scope == DRAFT else ''}layout of config.json)")
+        t = self._checked(slot, d)
+        param = self.params.get(ref.param)
+        if param is None:
+            raise self._err(f"{d.name}: maps to {ref.param}, which this model does not have")
+        _store(param, ref, t.to(param.dtype) if t.is_floating_point() else t, d.name)
+        self.seen.add(d.name)
+        self.loaded.add(ref.param)
+        if d.stored != DENSE:
+            self.decoded[d.stored] = self.decoded.get(d.stored, 0) + 1
+
+    def _checked(self, slot: WeightSlot, d: Decoded) -> torch.Tensor:
+        t, name = d.tensor, d.name
+        if tuple(t.shape) != slot.shape:
+            raise self._err(f"{name}: expected shape {slot.shape}, got {tuple(t.shape)}")
+        if d.stored != DENSE and d.stored not in slot.quantizable:
+            raise self._err(f"{name}: stored {d.stored}, which this tensor cannot be (allowed: "
+                            f"{', '.join(('bf16',) + slot.quantizable)})")
+        if name.endswith(".tid2eid"):
+            if t.is_floating_point() or t.is_complex():
+                raise self._err(f"{name}: expert ids must be integers, got {t.dtype}")
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.spec.n_routed_experts):
+                raise self._err(f"{name}: expert ids must lie in [0, {self.spec.n_routed_experts})")
+            return t
+        if not t.is_floating_point():
+            raise self._err(f"{name}: stored as {t.dtype}, expected {'/'.join(slot.dtypes)}")
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise self._err(f"{name}: {bad} non-finite value(s) (NaN or Inf); the checkpoint is corrupt")
+        return t
+
+    def _check_complete(self) -> None:
+        missing = [n for n in self.slots if n not in self.seen]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise self._err(f"{missing[0]}: tensor missing from the checkpoint{more}")
+        unfilled = sorted(set(self.params) - self.loaded - self.not_from_checkpoint)
+        if unfilled:
+            raise self._err(f"parameter {unfilled[0]} received no tensor from the checkpoint "
+                            f"({len(unfilled)} such parameter(s))")
+        decoded = ", ".join(f"{n} {k}" for k, n in sorted(self.decoded.items()))
+        logger.info("DeepSeek-V4 %s weights loaded from %s: %d tensors%s (+%d of the %s skipped)",
+                    self.scope, self.source, len(self.seen), f", decoded exactly at load: {decoded}" if decoded else "",
+                    self.skipped, "draft" if self.scope == TARGET else "target")
+
+
+def _store(param: nn.Parameter, ref: ParamRef, t: torch.Tensor, name: str) -> None:
+    """Hand one dense tensor to the parameter's vLLM weight loader (or do the sink's head split)."""
+    loader = getattr(param, "weight_loader", None)
+    if ref.kind == "expert":
+        if loader is None:
+            raise ValueError(f"{name}: {ref.param} is not a fused-experts parameter")
+        # returns False for an expert that lives on another expert-parallel rank: nothing to store here
+        loader(param, t, ref.param, shard_id=ref.shard, expert_id=ref.expert, return_success=True)
+    elif ref.kind == "stacked":
+        loader(param, t, ref.shard)
+    elif ref.kind == "sink" and loader is None:
+        # vLLM 0.32's in-tree sink is [padded local heads] with no loader: this rank's heads, the rest -inf
+        n = t.shape[0] // get_tensor_model_parallel_world_size()
+        start = get_tensor_model_parallel_rank() * n
+        param.data[:n].copy_(t[start:start + n])
+    else:
+        (loader or default_weight_loader)(param, t)

@@ -178,13 +178,17 @@ def test_rows_of_rejected_drafts_are_never_addressed():
     assert st.seen(done.row_slots[0], ~done.row_valid[0, :, 0]) == [(1, 2, 0.0), (1, 3, 0.0), (1, 4, 7.0), (1, 5, 9.0)]
 
 
-def test_decode_steps_use_the_identity_layout():
+def test_decode_and_verify_steps_use_the_identity_layout():
     st = _Steps()
     st.step([(0, 6), (1, 3), (2, 2)])
     md, owner = st.step([(0, 1), (1, 1), (None, 0), (2, 1)])
     assert md.seg_len == 1 and md.num_segments == 3
     assert md.query_index is None and md.output_index is None
     assert md.positions.tolist() == [6, 3, 2]
+    md, owner = st.step([(0, 3), (1, 3), (2, 3)])  # verify windows of K + 1 = 3 tokens each
+    assert md.seg_len == 3 and md.num_segments == 3 and md.query_index is None and md.output_index is None
+    assert [q[1:] for q in _queries(md, owner)] == [(r, p, g, o) for g, (r, p0) in enumerate(((0, 7), (1, 4), (2, 3)))
+                                                    for o, p in enumerate(range(p0, p0 + 3))]
 
 
 def test_positions_must_match_the_addressing():

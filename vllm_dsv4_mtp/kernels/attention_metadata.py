@@ -9,7 +9,7 @@ this module derives, with numpy, every index the layers need, so no layer loops 
   consecutive tokens, padded to ``S``; a decode is one segment of 1 token, a verify window one of ``K+1``,
   a prefill chunk ``ceil(q_len / S)`` of them. Layers compute ``[n_seg, S, ...]`` batches; queries are
   gathered into that layout with ``query_index`` and back with ``output_index`` (both None when the layout
-  is the identity: a step of single-token requests).
+  is the identity: no segment is padded, as in a step of decodes or of equal verify windows).
 * on first use by a layer, memoised for the others (:meth:`window`, :meth:`entries`, :meth:`completions`):
   the cache slots of each segment's window keys with the per-query mask; the slots of the rows that hold
   compressed entries (the row of the token completing each block, see ``kernels/attention_core.py``) with
@@ -124,7 +124,7 @@ class PortableAttentionMetadata:
         valid = offs[None, :] < seg_cnt[:, None]
         qidx = np.where(valid, seg_tok[:, None] + offs[None, :], 0)
         qpos = np.where(valid, pos[np.minimum(qidx, max(n_tok - 1, 0))] if n_tok else -1, -1)
-        identity = s == 1 and seg_req.shape[0] == n_tok
+        identity = bool((seg_cnt == s).all()) and seg_req.shape[0] * s == n_tok  # no padded query
         if identity:
             query_index = output_index = None
         else:

@@ -1,0 +1,234 @@
+"""Where a decode step goes: ms and aten ops per step in attention, MoE, the rest of the forward, and vLLM.
+
+    python -m vllm_dsv4_mtp.benchmarks.step_parts [--models floor bf16 mxfp4] [--batches 1 64] [--steps 24] \
+        [--mtp-k 2] [--json OUT]
+
+The engine runs as in ``decode_step`` (``ENGINE_FLAGS``, engine core and worker in their own processes, so
+vLLM's CPU thread binding applies); PyTorch forward hooks, installed in the worker through vLLM's public
+``LLM.collective_rpc`` (this module's functions travel by reference, hence
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), time the model's forward and every decoder block's attention
+(``*.attn`` / ``*.self_attn``) and MoE / MLP (``*.ffn`` / ``*.mlp``). A decode step runs from one decode
+forward's start to the next's (forwards over exactly ``batch`` tokens after the prefill); ``rest of forward``
+is the forward minus attention and MoE (mHC, norms, embedding, ``hc_head``), ``vLLM`` the step minus the
+forwards (scheduling, input preparation, sampling, outputs). With ``--mtp-k K`` the plugin models run again
+with MTP K drafts: a step's target forward is the verify window (``(K + 1) x batch`` tokens), ``draft`` the
+draft model's forwards inside the step and ``draft_attention`` its attention layer's share of them. A second
+pass under ``torch.profiler`` counts the ``aten::`` ops (nested ones included) that start inside each part,
+per step. Medians over the steps (so the parts need not add up exactly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+
+_RECORDS: list[tuple[str, int, float, float]] = []  # (part, tokens, start, end), in the worker
+_PROFILING: dict = {"on": False, "prof": None}
+
+
+def _hook(module, part: str) -> None:
+    import torch
+
+    stack = []
+
+    def pre(mod, args, kwargs):
+        x = next((a for a in list(args) + list(kwargs.values()) if hasattr(a, "shape")), None)
+        n = -1 if x is None else int(x.shape[0])
+        rf = torch.profiler.record_function(f"bench::{part}:{n}") if _PROFILING["on"] else None
+        if rf is not None:
+            rf.__enter__()
+        stack.append((time.perf_counter(), n, rf))
+
+    def post(mod, args, kwargs, out):
+        t0, n, rf = stack.pop()
+        if rf is not None:
+            rf.__exit__(None, None, None)
+        _RECORDS.append((part, n, t0, time.perf_counter()))
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post, with_kwargs=True)
+
+
+def install(worker) -> list[str]:
+    """In the worker: hooks on the target's forward and its blocks' attention and MoE / MLP modules, and on the
+    speculative draft's forward when there is one."""
+    model = worker.model_runner.model
+    _hook(model, "forward")
+    found = []
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if ".layers." not in f".{name}":
+            continue
+        if leaf in ("attn", "self_attn"):
+            _hook(mod, "attention")
+            found.append(name)
+        elif leaf in ("ffn", "mlp"):
+            _hook(mod, "moe")
+            found.append(name)
+    draft = getattr(getattr(worker.model_runner, "drafter", None), "model", None)
+    if draft is not None:
+        _hook(draft, "draft")
+        found.append("drafter.model")
+        for name, mod in draft.named_modules():
+            if name.rsplit(".", 1)[-1] == "attn":
+                _hook(mod, "draft_attention")
+                found.append(f"drafter.model.{name}")
+    return found
+
+
+def take_records(worker) -> list[tuple[str, int, float, float]]:
+    out = list(_RECORDS)
+    _RECORDS.clear()
+    return out
+
+
+def start_profile(worker) -> None:
+    import torch
+
+    _PROFILING["on"] = True
+    _PROFILING["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    _PROFILING["prof"].__enter__()
+
+
+def stop_profile(worker, batch: int) -> dict:
+    prof = _PROFILING["prof"]
+    prof.__exit__(None, None, None)
+    _PROFILING["on"] = False
+    _RECORDS.clear()
+    return _op_counts(prof, batch)
+
+
+PARTS = ("step", "forward", "attention", "moe", "draft", "draft_attention")
+
+
+def _steps(records, tokens: int) -> list[dict]:
+    """Per decode step (target forwards over ``tokens`` tokens, to the next one's start): seconds per part."""
+    fwd = sorted((r for r in records if r[0] == "forward"), key=lambda r: r[2])
+    steps = []
+    for a, b in zip(fwd[:-1], fwd[1:]):
+        if a[1] != tokens or b[1] != tokens:
+            continue
+        inside = [r for r in records if a[2] <= r[2] < b[2]]
+        st = {"step": b[2] - a[2], "forward": a[3] - a[2]}
+        for part in ("attention", "moe", "draft", "draft_attention"):
+            st[part] = sum(r[3] - r[2] for r in inside if r[0] == part)
+        st["rest_of_forward"] = st["forward"] - st["attention"] - st["moe"]
+        st["vllm"] = st["step"] - st["forward"] - st["draft"]
+        steps.append(st)
+    return steps
+
+
+def _op_counts(prof, tokens: int) -> dict:
+    """aten ops per decode step, by part, from the profiler's events and the hooks' ``bench::`` ranges."""
+    events = list(prof.events())
+    aten = sorted(e.time_range.start for e in events if e.name.startswith("aten::"))
+    ranges = {p: [] for p in ("forward", "attention", "moe", "draft", "draft_attention")}
+    for e in events:
+        if e.name.startswith("bench::"):
+            part, n = e.name[7:].rsplit(":", 1)
+            if part != "forward" or int(n) == tokens:  # decode forwards only
+                ranges[part].append((e.time_range.start, e.time_range.end))
+
+    def count(lo, hi):
+        return bisect.bisect_left(aten, hi) - bisect.bisect_left(aten, lo)
+
+    fwd = sorted(ranges["forward"])
+    per_step = {k: [] for k in PARTS}
+    for (a0, a1), (b0, _) in zip(fwd[:-1], fwd[1:]):
+        per_step["step"].append(count(a0, b0))
+        per_step["forward"].append(count(a0, a1))
+        for part in ("attention", "moe", "draft", "draft_attention"):
+            per_step[part].append(sum(count(lo, hi) for lo, hi in ranges[part] if a0 <= lo < b0))
+    out = {k: int(statistics.median(v)) for k, v in per_step.items() if v}
+    out["rest_of_forward"] = out["forward"] - out["attention"] - out["moe"]
+    out["vllm"] = out["step"] - out["forward"] - out["draft"]
+    return out
+
+
+def measure(name: str, ckpt: str, batches: list[int], n_steps: int, mtp_k: int = 0) -> dict:
+    from vllm import LLM, SamplingParams
+
+    # by reference (module name), so the worker's hooks and this process's calls share the worker's globals
+    from vllm_dsv4_mtp.benchmarks.decode_step import ENGINE_FLAGS, random_prompts
+    from vllm_dsv4_mtp.benchmarks.step_parts import install, start_profile, stop_profile, take_records
+
+    with open(f"{ckpt}/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    spec = {"method": "mtp", "num_speculative_tokens": mtp_k} if mtp_k else None
+    llm = LLM(model=ckpt, speculative_config=spec, **ENGINE_FLAGS)
+    llm.collective_rpc(install)
+    res = {"model": name, "mtp_k": mtp_k, "batches": {}}
+    for b in batches:
+        prompts = [{"prompt_token_ids": p} for p in random_prompts(vocab, b, 100, seed=b)]
+        sp = SamplingParams(max_tokens=n_steps + 1, min_tokens=n_steps + 1, temperature=0.0, ignore_eos=True,
+                            detokenize=False)
+        llm.generate(prompts, sp, use_tqdm=False)  # warm-up
+        llm.collective_rpc(take_records)
+        llm.generate(prompts, sp, use_tqdm=False)
+        tokens = b * (mtp_k + 1)  # a decode step's target forward: each request's verify window
+        steps = _steps(llm.collective_rpc(take_records)[0], tokens)
+        if not steps:
+            raise RuntimeError(f"{name}, batch {b}: no decode step of {tokens} tokens recorded")
+        ms = {k: round(1000 * statistics.median(st[k] for st in steps), 3) for k in steps[0]}
+        short = SamplingParams(max_tokens=9, min_tokens=9, temperature=0.0, ignore_eos=True, detokenize=False)
+        llm.collective_rpc(start_profile)
+        llm.generate(prompts, short, use_tqdm=False)
+        ops = llm.collective_rpc(stop_profile, args=(tokens,))[0]
+        res["batches"][b] = {"ms": ms, "aten_ops": ops, "steps": len(steps)}
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None:
+        core.shutdown()
+    del llm
+    gc.collect()
+    return res
+
+
+def render(results: list[dict]) -> str:
+    parts = ("step", "attention", "moe", "rest_of_forward", "draft", "draft_attention", "vllm")
+    lines = ["| model, batch | " + " | ".join(f"{p} ms (aten ops)" for p in parts) + " |",
+             "|---|" + "---:|" * len(parts)]
+    for r in results:
+        mtp = f", MTP K={r['mtp_k']}" if r["mtp_k"] else ""
+        for b, v in r["batches"].items():
+            lines.append(f"| {r['model']}{mtp}, {b} | " + " | ".join(
+                f"{v['ms'][p]:.2f} ({v['aten_ops'].get(p, 0):,})" for p in parts) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vllm_dsv4_mtp.benchmarks.step_parts",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["floor", "bf16", "mxfp4"], choices=["floor", "bf16", "mxfp4"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 64])
+    ap.add_argument("--steps", type=int, default=24, help="decode steps timed per batch")
+    ap.add_argument("--mtp-k", type=int, default=0, help="also measure the plugin models with MTP K drafts")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships this module's functions
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_MLA_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm_dsv4_mtp.benchmarks.decode_step import model_dirs
+
+    with tempfile.TemporaryDirectory(prefix="dsv4-step-parts-") as tmp:
+        dirs = model_dirs(tmp)
+        results = [measure(m, dirs[m], args.batches, args.steps) for m in args.models]
+        if args.mtp_k:
+            results += [measure(m, dirs[m], args.batches, args.steps, args.mtp_k) for m in args.models
+                        if m != "floor"]
+    print(render(results))
+    print("RESULT " + json.dumps(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -44,20 +44,24 @@ def spec_label(mtp_k: int | None) -> str:
 
 @dataclass
 class ServerSpec:
-    """What to serve: a checkpoint directory, MTP off (None) or K draft tokens, and extra vLLM flags."""
+    """What to serve: a checkpoint directory, MTP off (None) or K draft tokens, and extra vLLM flags.
+
+    ``served_model_name=None`` keeps the profile's (``cpu-tiny``: ``dsv4-tiny``; the MI355X profiles: the
+    model id); read the name a server answers to with :func:`served_model_name`.
+    """
 
     model: str
     mtp_k: int | None = None
     profile: str = "cpu-tiny"
-    served_model_name: str = "dsv4-tiny"
+    served_model_name: str | None = None
     extra_args: list[str] = field(default_factory=list)
 
     def serve_argv(self, port: int) -> list[str]:
         spec = (["--speculative-config", "null"] if self.mtp_k is None
                 else ["--speculative-config.num_speculative_tokens", str(self.mtp_k)])
+        name = [] if self.served_model_name is None else ["--served-model-name", self.served_model_name]
         return [sys.executable, "-m", "vllm_dsv4_mtp.serve.cli", "--profile", self.profile, str(self.model),
-                "--host", LOOPBACK, "--port", str(port), "--served-model-name", self.served_model_name,
-                *spec, *self.extra_args]
+                "--host", LOOPBACK, "--port", str(port), *name, *spec, *self.extra_args]
 
 
 class ManagedServer:

@@ -32,6 +32,10 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message ends with the tail of its log."""
 
 
+class ServerNotReadyError(ServerStartError):
+    """A server given by URL did not answer ``/health`` with 200 in the time allowed."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
@@ -154,6 +158,30 @@ class ManagedServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def wait_healthy(base_url: str, timeout_s: float = 0.0, poll_s: float = 2.0) -> None:
+    """Return once ``GET /health`` answers 200; try once (``timeout_s=0``) or keep trying for ``timeout_s``
+    seconds (a server still loading its model), saying every minute that it is waiting."""
+    url = server_root(base_url) + "/health"
+    t0 = time.monotonic()
+    said = t0
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                if r.status == 200:
+                    return
+                last = f"HTTP {r.status}"
+        except (OSError, urllib.error.URLError) as e:
+            last = str(e)
+        now = time.monotonic()
+        if now - t0 >= timeout_s:
+            waited = f" after waiting {timeout_s:.0f} s" if timeout_s else ""
+            raise ServerNotReadyError(f"cannot reach {url}{waited}: {last}")
+        if now - said >= 60:
+            print(f"# waiting for {url} ({now - t0:.0f} of {timeout_s:.0f} s): {last}", file=sys.stderr, flush=True)
+            said = now
+        time.sleep(poll_s)
 
 
 def served_model_name(base_url: str, timeout: float = 10.0) -> str:

@@ -165,7 +165,8 @@ def test_local_task_keeps_the_recipe_settings_and_sends_text():
 def test_gsm8k_offline_without_the_dataset_fails_in_one_line(tmp_path, task_args):
     """Offline with an empty Hugging Face cache: one line saying what is missing and how to get it, before any
     server is asked (port 9 has none), and never a silent switch to the shipped tiny task."""
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_DATASETS_CACHE", "HF_HUB_CACHE")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME")}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     out = tmp_path / "out"
     r = subprocess.run([DSV4_MTP, "eval", "--base-url", "http://127.0.0.1:9", *task_args, "--out", str(out)],

@@ -179,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsv4-mtp eval: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"dsv4-mtp eval: error: cannot reach {args.base_url}: {e}", file=sys.stderr)
+        where = args.base_url or ", ".join(args.server or []) or "the server"
+        print(f"dsv4-mtp eval: error: cannot reach {where}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(res, indent=1) if args.json else score_line(res) + "\n  " + res["lm_eval_command"])
     return 0

@@ -452,8 +452,8 @@ def run(args: argparse.Namespace) -> int:
                 spec = ServerSpec(model=model, mtp_k=k, profile=args.profile,
                                   extra_args=["--max-num-seqs", str(max(levels))])
                 with ManagedServer(spec, log_path=args.out / f"server-{'off' if k is None else f'k{k}'}.log") as srv:
-                    r = sweep(srv.base_url, spec.served_model_name, prompts, levels, max_tokens=args.max_tokens,
-                              num_requests=args.num_requests, label=spec_label(k), mtp_k=k)
+                    r = sweep(srv.base_url, served_model_name(srv.base_url), prompts, levels,
+                              max_tokens=args.max_tokens, num_requests=args.num_requests, label=spec_label(k), mtp_k=k)
                     r.startup_s = round(srv.startup_s, 1)
                     runs.append(r)
         else:

@@ -27,6 +27,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec, weight_slots
+from vllm_dsv4_mtp.formats.checkpoint import validate_shard_headers
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.weights import Target, map_native_name
@@ -147,6 +148,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
+        validate_shard_headers(vllm_config.model_config.model)  # a truncated/missing shard named before vLLM reads it
         self.config = vllm_config.model_config.hf_config
         self.vllm_config = vllm_config
         self.model = DeepseekV4Model(vllm_config=vllm_config, prefix="model")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
@@ -325,7 +326,14 @@ class CheckpointWriter:
         if not self._buf:
             return
         f = self.path / f".shard-{len(self._tmp_shards):05d}.safetensors.tmp"
-        save_file(self._buf, str(f), metadata={"format": "pt"})
+        try:
+            save_file(self._buf, str(f), metadata={"format": "pt"})
+        except Exception as e:  # safetensors' own error type names no file and hides the OS error number
+            f.unlink(missing_ok=True)
+            code = re.search(r"\(os error (\d+)\)", str(e))
+            if code:
+                raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(f)) from None
+            raise CheckpointError(f"{f}: writing the shard failed: {e}") from None
         self._tmp_shards.append((f, list(self._buf)))
         self._buf = {}
         self._buf_bytes = 0

@@ -64,6 +64,8 @@ def crash_point(name: str) -> None:
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# the handler's state: the signals seen, and whether they wait (publishing) or raise at once
+_state = {"seen": [], "deferring": False}
 
 
 @contextmanager
@@ -74,13 +76,14 @@ def signals_interrupt():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    fired = []
 
     def handler(signum, frame):
-        if not fired:
-            fired.append(signum)
+        first = not _state["seen"]
+        _state["seen"].append(signum)
+        if first and not _state["deferring"]:
             raise Interrupted(signum)
 
+    _state.update(seen=[], deferring=False)
     old = {s: signal.signal(s, handler) for s in _SIGNALS}
     try:
         yield
@@ -91,16 +94,17 @@ def signals_interrupt():
 
 @contextmanager
 def signals_deferred():
-    """Within the block, SIGINT / SIGTERM / SIGHUP wait (blocked in the kernel) and are delivered when it ends:
-    publishing runs to completion, so an interrupt never leaves its outcome in doubt. Main thread only."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    """Within a :func:`signals_interrupt` block: a signal arriving inside this one is raised only when it ends,
+    so publishing runs to completion and an interrupt never leaves its outcome in doubt. (Python runs signal
+    handlers in the main thread whichever thread the kernel picked, so a flag suffices where a signal mask,
+    which is per thread, would not.)"""
+    _state["deferring"] = True
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        _state["deferring"] = False
+    if _state["seen"]:
+        raise Interrupted(_state["seen"][0])
 
 
 def _lock(path: Path) -> int | None:

@@ -34,7 +34,6 @@ being converted.
 from __future__ import annotations
 
 import errno
-import logging
 import re
 import shutil
 import sys
@@ -379,8 +378,8 @@ def _sweep(dst: Path) -> list[str]:
     except OSError as e:
         raise QuantizeError(f"{e.filename or dst.parent}: cannot clean up an earlier run's leftovers: "
                             f"{e.strerror}") from None
-    for n in notes:
-        logging.getLogger("dsv4_mtp.quantize").warning("dsv4-mtp quantize: %s", n)
+    for n in notes:  # at once, not only in the final report: the run may still fail afterwards
+        print(f"dsv4-mtp quantize: {n}", file=sys.stderr)
     return notes
 
 

@@ -54,24 +54,34 @@ def refs(tmp_path_factory):
     return {"src": src, "old_dir": w / "old", "old": old, "new": new, "n_tensors": len(CheckpointReader(src))}
 
 
-def _run(refs, parent: Path, *, crash_at: str | None = None, no_exchange: bool = False, kill_after: float = None):
-    """One ``dsv4-mtp quantize --force SRC parent/dst`` in a subprocess; returns its exit status."""
+def _run(refs, parent: Path, *, crash_at: str | None = None, no_exchange: bool = False, kill_after: float = None,
+         signal_at: tuple[str, int] | None = None) -> tuple[int, str]:
+    """One ``dsv4-mtp quantize --force SRC parent/dst`` in a subprocess; returns its exit status and stderr.
+
+    ``signal_at=(point, signum)``: the process sends itself that signal at that crash point (a test-side patch,
+    so the signal arrives at a known step while the tool's real handlers run)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.pop(CRASH_ENV, None)
     if crash_at:
         env[CRASH_ENV] = crash_at
-    # the fallback (a filesystem without RENAME_EXCHANGE) is forced by the test, not by a switch in the tool
-    prelude = "import quant.publish as p; p._exchange = lambda a, b: False; " if no_exchange else ""
+    prelude = ""
+    if no_exchange:  # a filesystem without RENAME_EXCHANGE, forced by the test, not by a switch in the tool
+        prelude += "import quant.publish as p; p._exchange = lambda a, b: False\n"
+    if signal_at:
+        prelude += (f"import os, quant.publish as p, quant.quantize as q\n"
+                    f"def at(name):\n    if name == {signal_at[0]!r}: os.kill(os.getpid(), {int(signal_at[1])})\n"
+                    f"p.crash_point = q.crash_point = at\n")
     code = prelude + "import sys; from vllm_dsv4_mtp.cli import main; sys.exit(main(sys.argv[1:]))"
     argv = [sys.executable, "-c", code, "quantize", str(refs["src"]), str(parent / "dst"), "--force",
             "--no-progress", *NEW_ARGS]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if kill_after is not None:
         time.sleep(kill_after)
         proc.send_signal(signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL or (kill_after is not None and proc.returncode == 0), err.decode()
-    return proc.returncode
+    if crash_at:
+        assert proc.returncode == -signal.SIGKILL, err  # the crash point was reached
+    return proc.returncode, err
 
 
 def _assert_complete(dst: Path, refs) -> str:
@@ -126,13 +136,13 @@ def test_sigkill_at_random_times(tmp_path, refs):
     doing, DST is old or new, never broken, and the next run cleans up."""
     parent = _fresh(tmp_path, refs)
     t0 = time.monotonic()
-    assert _run(refs, parent, kill_after=None, crash_at="done") == -signal.SIGKILL
+    _run(refs, parent, crash_at="done")
     duration = time.monotonic() - t0
     rng = random.Random(11)
     seen = []
     for frac in sorted(rng.uniform(0.4, 1.0) for _ in range(5)):
         parent = _fresh(tmp_path, refs)
-        rc = _run(refs, parent, kill_after=frac * duration)
+        rc, _ = _run(refs, parent, kill_after=frac * duration)
         seen.append(_assert_complete(parent / "dst", refs) if rc else "finished")
         _next_run_cleans_up(parent, refs, _leftovers(parent))
     print(f"\nkills at random times over a {duration:.1f} s run found DST: {seen}")
@@ -154,7 +164,7 @@ def test_without_atomic_exchange_the_next_run_restores_dst(tmp_path, refs):
     _next_run_cleans_up(parent, refs, _leftovers(parent))
 
 
-def test_leftovers_of_the_old_two_rename_scheme_are_recovered(tmp_path, refs, caplog):
+def test_leftovers_of_the_old_two_rename_scheme_are_recovered(tmp_path, refs, capsys):
     """What earlier versions left after a kill between their two renames (the issue's state): no DST, the good
     output in .dst.old-PID, the finished new one in .dst.partial-PID. The previous output comes back, even on a
     run that then refuses to replace it (no --force), and both leftovers are reported."""
@@ -169,8 +179,26 @@ def test_leftovers_of_the_old_two_rename_scheme_are_recovered(tmp_path, refs, ca
     assert _fingerprint(parent / "dst") == refs["old"]
     assert _leftovers(parent) == []
     mib = sum(f.stat().st_size for f in refs["old_dir"].iterdir()) / 2**20
-    assert caplog.messages == [
+    assert capsys.readouterr().err.splitlines() == [
         f"dsv4-mtp quantize: {parent / 'dst'}: restored the previous output from .dst.old-4194301, left by a run "
         f"(pid 4194301) interrupted while replacing it",
         f"dsv4-mtp quantize: {parent / '.dst.partial-4194301'}: removed ({mib:.1f} MiB), left by an interrupted run "
         f"(pid 4194301)"]
+
+
+@pytest.mark.parametrize("sig,point,expected", [
+    (signal.SIGTERM, "tensor:MID", "old"), (signal.SIGINT, "tensor:MID", "old"), (signal.SIGHUP, "written", "old"),
+    (signal.SIGTERM, "exchanged", "new"), (signal.SIGTERM, "removing-old", "new"),
+])
+def test_sigterm_is_handled_like_sigint(tmp_path, refs, sig, point, expected):
+    """SIGTERM / SIGHUP clean up like Ctrl-C: no leftover, DST as it was, exit status 128 + signal, one line.
+    A signal during publishing waits until DST is the complete new output, and the message says so."""
+    parent = _fresh(tmp_path, refs)
+    rc, err = _run(refs, parent, signal_at=(point.replace("MID", str(refs["n_tensors"] // 2)), sig))
+    assert rc == 128 + sig, err
+    assert _assert_complete(parent / "dst", refs) == expected
+    assert _leftovers(parent) == []
+    name = signal.Signals(sig).name
+    state = (f"the partial output was removed, {parent / 'dst'} is unchanged" if expected == "old"
+             else f"the conversion had finished: {parent / 'dst'} is the complete new output")
+    assert err.strip().splitlines() == [f"dsv4-mtp quantize: interrupted by {name}: {state}"]

@@ -45,6 +45,9 @@ def register_models() -> bool:
         ModelRegistry.register_model(arch, ref)
     # registers the "dsv4_mtp_portable" quantization config (claims DeepSeek-V4 Quark/FP8 checkpoints off gfx950)
     import vllm_dsv4_mtp.kernels.portable_quant  # noqa: F401
+    from vllm_dsv4_mtp.startup_checks import register_config_format
+
+    register_config_format()  # --config-format dsv4_mtp: config.json checked before vLLM's SpeculativeConfig
     _registered = True
     # a "vllm." logger name so the line goes through vLLM's log handler
     init_logger("vllm.dsv4_mtp").info(

@@ -364,6 +364,17 @@ def test_malformed_config(capsys, bf16, tmp_path):
                     f"MTP layer)"]
 
 
+def test_negative_dimension_and_missing_config(capsys, bf16, tmp_path):
+    cfg = CheckpointReader(bf16).config
+    cfg["hidden_size"] = -128
+    p = _rewrite(bf16, tmp_path / "neg", config=cfg)
+    rc, msgs, _ = _problems(capsys, p, "--mtp")
+    assert rc == 1 and msgs == [f"{p / 'config.json'}: field 'hidden_size' must be > 0, got -128"]
+    (p / "config.json").unlink()
+    rc, msgs, _ = _problems(capsys, p)
+    assert rc == 1 and msgs == [f"{p / 'config.json'}: config.json not found"]
+
+
 def test_missing_shard(capsys, bf16, tmp_path):
     p = tmp_path / "c"
     r = CheckpointReader(bf16)

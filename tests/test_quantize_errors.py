@@ -189,3 +189,96 @@ def test_a_second_run_on_the_same_dst_is_refused(capsys, bf16, tmp_path):
     rc, err = _cli(capsys, bf16, tmp_path / "dst")
     assert rc == 0 and err == [f"dsv4-mtp quantize: {live}: removed (0.0 MiB), left by an interrupted run (pid 31337)"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# malformed sources: the rows of docs/bad-inputs.md, exact messages through the CLI
+# ----------------------------------------------------------------------------------------------------------
+def _copy_without(src: Path, dst: Path, drop=lambda n: False, config=None, max_shard_bytes=None) -> Path:
+    r = CheckpointReader(src)
+    with CheckpointWriter(dst, **({"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {})) as w:
+        for n in r:
+            if not drop(n):
+                w.copy_from(r, n)
+        w.write_config(config if config is not None else r.config)
+    return dst
+
+
+def test_truncated_source_shard(capsys, bf16, tmp_path):
+    src = _copy_without(bf16, tmp_path / "src")
+    f = src / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    rc, err = _cli(capsys, src, tmp_path / "dst")
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith(f"dsv4-mtp quantize: error: {f}: truncated safetensors file: its header describes ")
+    assert err[0].endswith(" data bytes (through tensor 'norm.weight') but the file holds only "
+                           f"{CheckpointReader(bf16).total_bytes - 1000}")
+
+
+def test_missing_source_shard(capsys, bf16, tmp_path):
+    src = _copy_without(bf16, tmp_path / "src", max_shard_bytes=1_000_000)
+    (src / "model-00003-of-00005.safetensors").unlink()
+    rc, err = _cli(capsys, src, tmp_path / "dst")
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith(f"dsv4-mtp quantize: error: {src / 'model.safetensors.index.json'}: shard "
+                             f"'model-00003-of-00005.safetensors' (listed for ")
+    assert err[0].endswith(") does not exist")
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"hidden_size": -128}, "field 'hidden_size' must be > 0, got -128"),
+    ({"compress_ratios": [0, 4, 128, 4]}, "field 'compress_ratios' has 4 entries, expected num_hidden_layers + "
+     "num_nextn_predict_layers = 4 + 1 = 5 (one per main layer, then one per MTP layer)"),
+])
+def test_malformed_config_field(capsys, bf16, tmp_path, edit, message):
+    cfg = dict(CheckpointReader(bf16).config, **edit)
+    src = _copy_without(bf16, tmp_path / "src", config=cfg)
+    rc, err = _cli(capsys, src, tmp_path / "dst")
+    assert rc == 2 and err == [f"dsv4-mtp quantize: error: {src / 'config.json'}: {message}"]
+
+
+def test_missing_config(capsys, bf16, tmp_path):
+    src = _copy_without(bf16, tmp_path / "src")
+    (src / "config.json").unlink()
+    rc, err = _cli(capsys, src, tmp_path / "dst")
+    assert rc == 2 and err == [f"dsv4-mtp quantize: error: {src / 'config.json'}: missing (needed to validate and "
+                               f"to write the Quark config)"]
+
+
+@pytest.mark.parametrize("drop,problem", [
+    ("layers.1.attn.wq_a.weight", "layers.1.attn.wq_a.weight: missing (expected BF16 [64, 128], or a quantized form)"),
+    ("layers.0.attn.wq_a.scale", "layers.0.attn.wq_a.weight_scale: missing: layers.0.attn.wq_a.weight is stored "
+     "fp8-block and needs its scale (neither layers.0.attn.wq_a.weight_scale nor layers.0.attn.wq_a.scale is stored)"),
+])
+def test_missing_tensor_or_scale_is_named_by_the_preflight(capsys, request, tmp_path, drop, problem):
+    base = request.getfixturevalue("official" if drop.endswith(".scale") else "bf16")
+    src = _copy_without(base, tmp_path / "src", drop=lambda n: n == drop)
+    rc, err = _cli(capsys, src, tmp_path / "dst")
+    assert rc == 2
+    assert err == [f"dsv4-mtp quantize: error: {src}: the source checkpoint has 1 problem(s) (dsv4-mtp inspect "
+                   f"{src}):", f"  {problem}"]
+
+
+def test_stripped_mtp_needs_allow_missing_mtp(capsys, bf16, tmp_path):
+    src = _copy_without(bf16, tmp_path / "src", drop=lambda n: n.startswith("mtp."))
+    rc, err = _cli(capsys, src, tmp_path / "dst")
+    absent = ("mtp.0: MTP layer absent: config.json declares num_nextn_predict_layers = 1 but no mtp.0.* tensor is "
+              "stored")
+    assert rc == 2
+    assert err == [f"dsv4-mtp quantize: error: {src}: the source checkpoint has 1 problem(s) (dsv4-mtp inspect "
+                   f"{src}):", f"  {absent}"]
+    from vllm_dsv4_mtp.cli import main
+
+    assert main(["quantize", str(src), str(tmp_path / "dst"), "--no-progress", "--allow-missing-mtp"]) == 0
+    out = capsys.readouterr().out
+    assert f"  warning: {absent}" in out.splitlines()
+
+
+def test_no_mtp_layer_declared_is_a_warning(capsys, tmp_path):
+    from vllm_dsv4_mtp.cli import main
+    from vllm_dsv4_mtp.tools.tiny import tiny_config
+
+    src = build_tiny_checkpoint(tmp_path / "src", tiny_config(num_nextn_predict_layers=0), tokenizer=False)
+    assert main(["quantize", str(src), str(tmp_path / "dst"), "--no-progress"]) == 0
+    assert (f"  warning: {src / 'config.json'}: num_nextn_predict_layers = 0: the checkpoint declares no MTP layer, "
+            f"so MTP speculative decoding is unavailable") in capsys.readouterr().out.splitlines()

@@ -24,11 +24,12 @@ def ckpts(tmp_path_factory):
     w = tmp_path_factory.mktemp("startup")
     out = {"good": build_tiny_checkpoint(w / "good", seed=7),
            "zero": build_tiny_checkpoint(w / "zero", tiny_config(num_nextn_predict_layers=0), mtp=False)}
-    neg = build_tiny_checkpoint(w / "neg", seed=7, tokenizer=False)
-    cfg = json.loads((neg / "config.json").read_text())
-    cfg["hidden_size"] = -128
-    (neg / "config.json").write_text(json.dumps(cfg))
-    out["neg"] = neg
+    for name, edit in (("neg", {"hidden_size": -128}), ("ratios", {"compress_ratios": [0, 4, 128, 4]})):
+        d = build_tiny_checkpoint(w / name, seed=7, tokenizer=False)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(edit)
+        (d / "config.json").write_text(json.dumps(cfg))
+        out[name] = d
     trunc = build_tiny_checkpoint(w / "trunc", seed=7)
     f = trunc / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-1000])
@@ -70,6 +71,21 @@ def test_negative_hidden_size(ckpts):
         assert str(e.value) == f"{ckpts['neg'] / 'config.json'}: field 'hidden_size' must be > 0, got -128"
 
 
+def test_missing_config_json_is_vllms_own_message(ckpts, tmp_path):
+    import shutil
+
+    d = tmp_path / "noconf"
+    shutil.copytree(ckpts["good"], d)
+    (d / "config.json").unlink()
+    with pytest.raises(Exception) as e:
+        _engine_config(d)
+    assert f"Invalid repository ID or local directory specified: '{d}'." in str(e.value)
+    assert "ensure the presence of a 'config.json'" in str(e.value)
+    with pytest.raises(StartupCheckError) as e:  # where vLLM's HF parser would ask for a `model_type` key
+        _engine_config(d, config_format="dsv4_mtp")
+    assert str(e.value) == f"{d / 'config.json'}: not found: a checkpoint directory needs its config.json"
+
+
 def _llm(model: Path, **kw):
     """An in-process engine (so the worker's exception reaches the caller unchanged)."""
     import vllm.envs
@@ -93,6 +109,28 @@ def test_negative_hidden_size_without_the_config_format_dies_in_vllm(ckpts):
     runs (GPUModelRunner.__init__, torch.zeros)."""
     with pytest.raises(RuntimeError, match=r"^zeros: Dimension size must be non-negative\.$"):
         _llm(ckpts["neg"], skip_tokenizer_init=True)
+    gc.collect()
+
+
+RATIOS = ("field 'compress_ratios' has 4 entries, expected num_hidden_layers + num_nextn_predict_layers = 4 + 1 = 5 "
+          "(one per main layer, then one per MTP layer)")
+
+
+def test_malformed_field_with_the_config_format(ckpts):
+    with pytest.raises(StartupCheckError) as e:
+        _engine_config(ckpts["ratios"], config_format="dsv4_mtp")
+    assert str(e.value) == f"{ckpts['ratios'] / 'config.json'}: {RATIOS}"
+
+
+@pytest.mark.engine
+def test_malformed_field_without_it_is_named_by_the_model(ckpts):
+    """Without the config format, the plugin's model constructor validates the same fields (after vLLM's config
+    code, which this field does not trip)."""
+    from vllm_dsv4_mtp.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _llm(ckpts["ratios"], skip_tokenizer_init=True)
+    assert str(e.value) == f"{ckpts['ratios'] / 'config.json'}: {RATIOS}"
     gc.collect()
 
 

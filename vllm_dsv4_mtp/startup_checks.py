@@ -74,6 +74,10 @@ def register_config_format() -> None:
         """vLLM's HF config parser, plus :func:`check_config` for DeepSeek-V4 checkpoints."""
 
         def parse(self, model, trust_remote_code, revision=None, code_revision=None, **kwargs):
+            if Path(model).is_dir() and not (Path(model) / "config.json").is_file():
+                # transformers would say "Should have a `model_type` key in its config.json"
+                raise StartupCheckError(f"{Path(model) / 'config.json'}: not found: a checkpoint directory needs "
+                                        f"its config.json")
             overrides = kwargs.get("hf_overrides")
             config_dict, config = super().parse(model, trust_remote_code, revision, code_revision, **kwargs)
             if config_dict.get("model_type") == "deepseek_v4":

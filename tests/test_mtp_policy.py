@@ -254,8 +254,9 @@ def test_missing_or_misshaped_mtp_tensor_is_named(vllm_dist, ckpts):
 
 def test_num_nextn_predict_layers_zero_fails_in_vllm(tmp_path):
     """vLLM 0.32 itself rejects ``{"method": "mtp", "num_speculative_tokens": K}`` on a config with
-    ``num_nextn_predict_layers: 0`` before any plugin code runs (``SpeculativeConfig`` computes ``K % 0``): an
-    error, if not a clear one; the plugin cannot intercept it without patching vLLM. Without K, vLLM asks for
+    ``num_nextn_predict_layers: 0`` before any of the plugin's model code runs (``SpeculativeConfig`` computes
+    ``K % 0``): an error, if not a clear one. The plugin's ``--config-format dsv4_mtp`` parser names the field
+    first (tests/test_startup_checks.py); without it this is what vLLM prints. Without K, vLLM asks for
     ``num_speculative_tokens``. Either way speculation is never silently off."""
     from vllm.engine.arg_utils import EngineArgs
 

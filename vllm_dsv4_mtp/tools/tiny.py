@@ -232,6 +232,11 @@ def build_tiny_checkpoint(
 
     cfg = dict(config) if config is not None else tiny_config()
     spec = DeepseekV4Spec.from_dict(cfg, source="build_tiny_checkpoint(config)")
+    tok = None
+    if tokenizer:  # first: a vocabulary the tiny tokenizer cannot have fails before any weight is written
+        from vllm_dsv4_mtp.tools.tiny_tokenizer import train_tokenizer
+
+        tok = train_tokenizer(spec.vocab_size)
     slots = weight_slots(spec, mtp=True)
     out = Path(out_dir)
     g = torch.Generator().manual_seed(seed)
@@ -261,10 +266,10 @@ def build_tiny_checkpoint(
         w.write_config(cfg)
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": spec.bos_token_id, "eos_token_id": spec.eos_token_id}, indent=2) + "\n")
-    if tokenizer:
+    if tok is not None:
         from vllm_dsv4_mtp.tools.tiny_tokenizer import save_tokenizer
 
-        save_tokenizer(out, spec.vocab_size, model_max_length=spec.max_position_embeddings)
+        save_tokenizer(out, spec.vocab_size, model_max_length=spec.max_position_embeddings, tokenizer=tok)
     return out
 
 

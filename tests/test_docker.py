@@ -283,8 +283,8 @@ def test_version_gate_passes_here_and_names_problems():
 
 
 @pytest.mark.parametrize("version,ok", [("0.32.0", True), ("0.32.1+rocm711", True), ("0.32.2.dev5+gabc", True),
-                                        ("0.31.9", False), ("0.33.0", False), ("0.33.0.dev1", False),
-                                        ("1.0.0", False)])
+                                        ("0.31.9", False), ("0.33.0", True), ("0.33.0.dev1", True),
+                                        ("0.34.0", False), ("1.0.0", False)])
 def test_supported_range(version, ok):
     assert is_supported(version) is ok
 

@@ -103,7 +103,7 @@ def _complete(url, prompt, **kw):
 def test_the_plugin_draft_serves_mtp(server):
     _, log = server
     text = log.read_text()
-    assert "DeepSeek-V4 MTP draft served by the plugin's vllm_dsv4_mtp.model.mtp.DeepSeekV4MTPModel" in text
+    assert "DeepSeek-V4 MTP draft served by the plugin's portable vllm_dsv4_mtp.model.mtp.DeepSeekV4MTPModel" in text
     assert "Shared target model lm_head with MTP shared_head.head." in text
 
 

@@ -140,17 +140,13 @@ def _fmt(x: float | None, fmt: str = "{:.1f}") -> str:
 def run(args: argparse.Namespace) -> int:
     from vllm_dsv4_mtp.embedded import data as gsm
 
-    from .common import fewshot_examples, load_problems, mtp_draft_registered, prompt_for
+    from .common import fewshot_examples, load_problems, prompt_for
     from .engine_clock import EngineClockError
     from .server import ManagedServer, ServerSpec, ServerStartError, served_model_name, spec_label
 
     notes: list[str] = []
     model, described = choose_model(args.model, notes)
     k: int | None = args.mtp_k
-    if not mtp_draft_registered():
-        notes.append("the plugin registers no MTP draft yet (MTP engineer: DeepSeekV4MTPModel in "
-                     "vllm_dsv4_mtp/registration.py DRAFT_MODELS): serving with MTP OFF, no acceptance length")
-        k = None
     problems = load_problems(limit=args.num_problems)
     fewshot = fewshot_examples(args.num_fewshot)
     prompts = [prompt_for(p, fewshot) for p in problems]

@@ -183,7 +183,7 @@ def write_outputs(out: Path, runs: list[AbRun], args, text: str) -> None:
 
 
 def run_ab(args) -> int:
-    from .common import embedded_models, mtp_draft_registered
+    from .common import embedded_models
     from .eval_cmd import prepare_task, score_line
     from .server import wait_healthy
 
@@ -196,10 +196,6 @@ def run_ab(args) -> int:
                   "--checkpoint NAME=DIR (the embedded models are not built)", file=sys.stderr)
             return 2
         settings = list(args.mtp)
-        if any(k is not None for k in settings) and not mtp_draft_registered():
-            print("dsv4-mtp eval --ab: note: the plugin registers no MTP draft (DeepSeekV4MTPModel); running "
-                  "MTP off only", file=sys.stderr)
-            settings = [k for k in settings if k is None] or [None]
         runs = plan_managed_runs(models, settings, args.profile, args.serve_arg, args.baseline)
     include = prepare_task(args)
     for r in runs:  # every given server up before the first (long) lm-eval run

@@ -120,6 +120,7 @@ VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1 \\
   --moe-backend aiter \\
   --compilation-config '{{"mode":3,"cudagraph_mode":"FULL_AND_PIECEWISE"}}' \\
   --tokenizer-mode deepseek_v4 \\
+  --config-format dsv4_mtp \\
   --reasoning-parser deepseek_v4 \\
   --trust-remote-code \\
   --host 0.0.0.0 \\

@@ -212,6 +212,9 @@ def _gpu_args(tp: int, k: int) -> tuple[tuple[str, Any], ...]:
         ("--moe-backend", "aiter"),
         ("--compilation-config", {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}),
         ("--tokenizer-mode", "deepseek_v4"),
+        # the plugin's config parser: config.json's fields checked (file and field named) before vLLM's own
+        # speculative-config code, which otherwise fails on some bad configs with ZeroDivisionError
+        ("--config-format", "dsv4_mtp"),
         ("--reasoning-parser", "deepseek_v4"),
         ("--trust-remote-code", True),
         ("--host", "0.0.0.0"),
@@ -247,6 +250,7 @@ PROFILES: Mapping[str, Profile] = MappingProxyType({
             hardware=None,
             args=(
                 ("--dtype", "bfloat16"),
+                ("--config-format", "dsv4_mtp"),  # config.json checked before vLLM's speculative-config code
                 ("--max-model-len", 1024),
                 ("--max-num-seqs", 8),
                 ("--enforce-eager", True),  # torch.compile costs ~25 s per start on CPU for no gain at this size

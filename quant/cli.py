@@ -61,7 +61,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quant.quantize import QuantizeError, quantize_checkpoint
+    from vllm_dsv4_mtp.quant.quantize import QuantizeError, quantize_checkpoint
 
     if args.threads is not None:
         if args.threads < 1:

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from quant.publish import (
+from vllm_dsv4_mtp.quant.publish import (
     Busy,
     WorkDir,
     crash_point,
@@ -52,7 +52,7 @@ from quant.publish import (
     sweep,
     sync_tree,
 )
-from quant.report import QuantizeReport
+from vllm_dsv4_mtp.quant.report import QuantizeReport
 
 __all__ = ["QuantizeError", "QuantizeReport", "quantize_checkpoint", "SHARED_EXPERT_MODES"]
 

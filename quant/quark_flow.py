@@ -26,8 +26,8 @@ import json
 import sys
 from pathlib import Path
 
-from quant.publish import WorkDir, discard, publish, signals_deferred, signals_interrupt, sync_tree
-from quant.quantize import QuantizeError, _check_paths, _sweep
+from vllm_dsv4_mtp.quant.publish import WorkDir, discard, publish, signals_deferred, signals_interrupt, sync_tree
+from vllm_dsv4_mtp.quant.quantize import QuantizeError, _check_paths, _sweep
 
 SHARED_EXPERTS_PATTERN = "*shared_experts*"
 

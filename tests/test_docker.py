@@ -67,12 +67,19 @@ def env_of(path: Path, stage: int | None = None) -> dict[str, str]:
 
 
 def required_for_install() -> set[str]:
-    """What building the project needs, read from pyproject.toml: itself, its readme, its packages."""
-    need = {"pyproject.toml", PYPROJECT["project"]["readme"]}
-    for pattern in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]:
-        top = pattern.rstrip("*").rstrip(".")
-        assert (ROOT / top).is_dir(), f"pyproject includes {pattern} but {top}/ does not exist"
-        need.add(top)
+    """What building the project needs: pyproject.toml, its readme, setup.py and the folders of the packages
+    setup.py declares (read from setuptools itself, so a new folder cannot be forgotten)."""
+    import ast
+
+    need = {"pyproject.toml", "setup.py", PYPROJECT["project"]["readme"]}
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    kw = {k.arg: k.value for k in call.keywords}
+    package_dir = ast.literal_eval(kw["package_dir"])
+    need |= {d.split("/")[0] for d in package_dir.values()}
+    need.add("vllm_dsv4_mtp")  # find_packages(include=["vllm_dsv4_mtp*"])
+    for top in need - {"pyproject.toml", "setup.py", PYPROJECT["project"]["readme"]}:
+        assert (ROOT / top).is_dir(), f"setup.py builds from {top}/, which does not exist"
     return need
 
 

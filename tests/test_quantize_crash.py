@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant.publish import CRASH_ENV
-from quant.quantize import quantize_checkpoint
+from vllm_dsv4_mtp.quant.publish import CRASH_ENV
+from vllm_dsv4_mtp.quant.quantize import quantize_checkpoint
 from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader, validate_shard_headers
 from vllm_dsv4_mtp.tools.inspect import inspect_checkpoint
 from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
@@ -66,9 +66,9 @@ def _run(refs, parent: Path, *, crash_at: str | None = None, no_exchange: bool =
         env[CRASH_ENV] = crash_at
     prelude = ""
     if no_exchange:  # a filesystem without RENAME_EXCHANGE, forced by the test, not by a switch in the tool
-        prelude += "import quant.publish as p; p._exchange = lambda a, b: False\n"
+        prelude += "import vllm_dsv4_mtp.vllm_dsv4_mtp.quant.publish as p; p._exchange = lambda a, b: False\n"
     if signal_at:
-        prelude += (f"import os, quant.publish as p, quant.quantize as q\n"
+        prelude += (f"import os, vllm_dsv4_mtp.quant.publish as p, quant.quantize as q\n"
                     f"def at(name):\n    if name == {signal_at[0]!r}: os.kill(os.getpid(), {int(signal_at[1])})\n"
                     f"p.crash_point = q.crash_point = at\n")
     code = prelude + "import sys; from vllm_dsv4_mtp.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -168,7 +168,7 @@ def test_leftovers_of_the_old_two_rename_scheme_are_recovered(tmp_path, refs, ca
     """What earlier versions left after a kill between their two renames (the issue's state): no DST, the good
     output in .dst.old-PID, the finished new one in .dst.partial-PID. The previous output comes back, even on a
     run that then refuses to replace it (no --force), and both leftovers are reported."""
-    from quant.quantize import QuantizeError
+    from vllm_dsv4_mtp.quant.quantize import QuantizeError
 
     parent = tmp_path / "out"
     parent.mkdir()

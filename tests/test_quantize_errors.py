@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant.quantize import _output_bytes
+from vllm_dsv4_mtp.quant.quantize import _output_bytes
 from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader, CheckpointWriter
 from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 

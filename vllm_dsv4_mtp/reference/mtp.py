@@ -2,7 +2,7 @@
 
 Written from the spec; the decoder block itself is transformers 5.19's public ``DeepseekV4DecoderLayer``
 configured as a sliding-window (SWA), bias-routed MoE layer, so the maths of attention / MoE / mHC is an
-oracle this project did not write. Used twice: as the MTP module trained in ``embedded/train.py`` and as
+oracle this project did not write. Used twice: as the MTP module trained in ``embedded/training/train.py`` and as
 the standalone oracle the plugin's draft model is compared with.
 
 One MTP step, for the token at position ``t`` (B = batch, T = tokens, hc = hc_mult, D = hidden)::

@@ -139,8 +139,8 @@ def _missing_model_dir(cmd, o: _Options) -> str | None:
     path = Path(cmd.model).expanduser()
     if not (path.is_absolute() or cmd.model.startswith(".")) or path.is_dir():
         return None
-    hint = (" (the embedded tiny checkpoint has not been built yet: run `make demo`, or pass MODEL)"
-            if cmd.profile.model is None and o.model is None else "")
+    hint = (" (the embedded tiny checkpoints ship with the repository, not with the wheel: run `make demo` in a "
+            "clone, or pass MODEL)" if cmd.profile.model is None and o.model is None else "")
     return f"error: model directory {cmd.model} does not exist{hint}"
 
 

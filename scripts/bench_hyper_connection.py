@@ -14,12 +14,12 @@ CPU worker pins one core per rank here; each time is the fastest of 9 batches of
 shared, and the least disturbed batch is the closest to the call's own cost). Prints a markdown table.
 
 ``--decode-ops CKPT`` instead measures a whole decode step in vLLM's engine (in-process, ``enforce_eager``,
-``--dtype``, default bfloat16, one prompt of 100 tokens, greedy): ops per step
-``(ops(generate 33 tokens) - ops(generate 1 token)) / 32``, counting every profiler event with ``::`` in
-its name (engine work included) and how many are mHC's (events under a ``record_function("mhc")`` that this script wraps around ``HyperConnection.pre`` /
-``.post`` and ``HyperHead.forward``, in its own process, for the measurement); ms per step the same
-difference of unprofiled wall times, each the fastest of 7 runs (on the shared dev machine other jobs' vLLM
-workers bind to the same cores and a disturbed run can be 30x slower).
+``--dtype``, default bfloat16, one prompt of 100 tokens, greedy). Ops per step: ``(ops(generate 33 tokens) -
+ops(generate 1 token)) / 32``, every profiler event with ``::`` in its name (engine work included), and of
+them mHC's: events under a ``record_function("mhc")`` that this script wraps, in its own process and for the
+measurement only, around ``HyperConnection.pre`` / ``.post`` and ``HyperHead.forward``. Ms per step: the
+same difference of unprofiled wall times, each the fastest of 7 runs (other jobs' vLLM workers bind to the
+same cores of the shared dev machine, and a disturbed run can be 30x slower).
 """
 
 from __future__ import annotations

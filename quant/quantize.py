@@ -280,7 +280,7 @@ class _Converter:
 
 def _preflight(src: Path, allow_missing_mtp: bool) -> list[str]:
     """Header-only check of SRC against its config.json (dsv4-mtp inspect). Errors stop the conversion."""
-    from vllm_dsv4_mtp.tools.inspect import inspect_checkpoint
+    from vllm_dsv4_mtp.tools.inspect_checkpoint import inspect_checkpoint
 
     report = inspect_checkpoint(src, allow_quantized_mtp=True)  # an official release's FP8 MTP is expected
     soft = {"mtp-absent", "no-mtp"} if allow_missing_mtp else set()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader, CheckpointWriter
-from vllm_dsv4_mtp.tools.inspect import inspect_checkpoint
+from vllm_dsv4_mtp.tools.inspect_checkpoint import inspect_checkpoint
 from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
 torch.set_num_threads(1)

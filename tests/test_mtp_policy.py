@@ -82,7 +82,7 @@ def test_declared_precisions_of_quark_and_official_configs():
 
 def test_cpu_expand_kernel_replacement():
     """The replacement for vLLM's broken CPU expand kernel (vllm-project/vllm#55005) expands per request."""
-    from vllm_dsv4_mtp.model.mtp_cpu_sampler import expand_kernel_impl
+    from vllm_dsv4_mtp.workarounds.cpu_expand_kernel import expand_kernel_impl
 
     for x in (torch.tensor([0.7, 0.0, 1.3]), torch.tensor([5, 0, 2], dtype=torch.int32)):
         out = torch.full((6,), -9, dtype=x.dtype)

@@ -21,7 +21,7 @@ from vllm_dsv4_mtp.quant.quantize import QuantizeError, quantize_checkpoint
 from vllm_dsv4_mtp.formats import fp8, mxfp4
 from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
 from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig
-from vllm_dsv4_mtp.tools.inspect import inspect_checkpoint
+from vllm_dsv4_mtp.tools.inspect_checkpoint import inspect_checkpoint
 from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -346,7 +346,7 @@ _MEASURE = r"""
 import json, re, sys
 import psutil, torch
 torch.set_num_threads(1)
-import vllm_dsv4_mtp.quant.quantize, safetensors.torch, tqdm, vllm_dsv4_mtp.tools.inspect
+import vllm_dsv4_mtp.quant.quantize, safetensors.torch, tqdm, vllm_dsv4_mtp.tools.inspect_checkpoint
 base = psutil.Process().memory_info().rss
 r = vllm_dsv4_mtp.quant.quantize.quantize_checkpoint(sys.argv[1], sys.argv[2], progress=False)
 hwm = re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read())

@@ -26,7 +26,7 @@ import torch
 from vllm_dsv4_mtp.quant.publish import CRASH_ENV
 from vllm_dsv4_mtp.quant.quantize import quantize_checkpoint
 from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader, validate_shard_headers
-from vllm_dsv4_mtp.tools.inspect import inspect_checkpoint
+from vllm_dsv4_mtp.tools.inspect_checkpoint import inspect_checkpoint
 from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
 torch.set_num_threads(1)

@@ -39,7 +39,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_dsv4_mtp.tools.inspect import inspect_checkpoint
+    from vllm_dsv4_mtp.tools.inspect_checkpoint import inspect_checkpoint
 
     report = inspect_checkpoint(args.dir, allow_quantized_mtp=args.allow_quantized_mtp, mtp=args.mtp,
                                 scan_values=args.scan_values)

@@ -1,5 +1,5 @@
 """What ``dsv4-mtp inspect`` found: :class:`InspectReport` (per module kind, MTP, problems), printed as a table
-or as JSON. Built by :func:`vllm_dsv4_mtp.tools.inspect.inspect_checkpoint`."""
+or as JSON. Built by :func:`vllm_dsv4_mtp.tools.inspect_checkpoint.inspect_checkpoint`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The capacity check: what runs on each platform, weights per GPU by part, the reserve per topology, the verdict.
 
 The byte counts are checked against an independent count written here from the DeepSeek-V4 tensor table
-(dsv4-architecture.md section 6.1) and against published figures; the reserve against the measurements it is
+(the release's safetensors index) and against published figures; the reserve against the measurements it is
 derived from (recomputed here from their published numbers); the refusal message line by line against numbers
 computed here.
 """
@@ -62,7 +62,7 @@ def test_parameter_counts_match_the_published_sizes():
     main = sum(p.params for p in pro.target.values())
     mtp = sum(p.params for p in pro.mtp.values())
     assert mtp == _mtp_params(PRO_CONFIG)
-    # dsv4-architecture.md: "Pro 1573B main (+25.8B MTP)", "Flash 284.3B main (+6.6B MTP)"
+    # the model cards: "Pro 1573B main (+25.8B MTP)", "Flash 284.3B main (+6.6B MTP)"
     assert round(main / 1e9) == 1573 and round(mtp / 1e8) == 258
     flash = load_weight_table(AMD_FLASH)
     assert round(sum(p.params for p in flash.target.values()) / 1e8) == 2843

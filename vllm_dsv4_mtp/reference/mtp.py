@@ -1,4 +1,4 @@
-"""Float32 reference of DeepSeek-V4's MTP layer (dsv4-architecture.md §7), with vLLM's conventions (§7.3).
+"""Float32 reference of DeepSeek-V4's MTP layer (the MTP block of https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/inference/model.py), with vLLM's conventions.
 
 Written from the spec; the decoder block itself is transformers 5.19's public ``DeepseekV4DecoderLayer``
 configured as a sliding-window (SWA), bias-routed MoE layer, so the maths of attention / MoE / mHC is an

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-# HF-style config.json of the embedded model (the fields of dsv4-architecture.md §1/§8, legacy names as
+# HF-style config.json of the embedded model (the fields of https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/config.json, legacy names as
 # in the real releases). head_dim / index dims are smaller than the real model's: the plugin's portable
 # kernels take any dims, and a 2-core CPU can train this in well under an hour.
 MODEL_CONFIG: dict = {

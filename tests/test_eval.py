@@ -18,7 +18,7 @@ from vllm_dsv4_mtp.embedded import FEWSHOT_JSONL, TEST_JSONL
 from vllm_dsv4_mtp.evaluate import common
 from vllm_dsv4_mtp.cli import build_parser
 from vllm_dsv4_mtp.evaluate.eval_ab import AbRun, compare, report
-from vllm_dsv4_mtp.evaluate.eval_cmd import lmeval_run
+from vllm_dsv4_mtp.evaluate.eval_runs import lmeval_run
 from vllm_dsv4_mtp.evaluate.lmeval import (LOCAL_TASK, LmEvalError, SampleAnswer, parse_results,
                                            write_local_task)
 

@@ -93,7 +93,7 @@ def mtp_from_metrics(base_url: str) -> str:
 
 
 def evaluate_run(run: AbRun, args, include: Path | None) -> None:
-    from .eval_cmd import evaluate_server, lmeval_run
+    from .eval_runs import evaluate_server, lmeval_run
     from .lmeval import read_samples
     from .server import ManagedServer, served_model_name, wait_healthy
 
@@ -184,7 +184,7 @@ def write_outputs(out: Path, runs: list[AbRun], args, text: str) -> None:
 
 def run_ab(args) -> int:
     from .common import embedded_models
-    from .eval_cmd import prepare_task, score_line
+    from .eval_runs import prepare_task, score_line
     from .server import wait_healthy
 
     if args.server:

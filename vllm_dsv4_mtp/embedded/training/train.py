@@ -93,7 +93,7 @@ def load_tokenizer(tokenizer_dir: Path):
     return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Train the embedded tiny DeepSeek-V4 with its MTP layer (CPU).")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=1500)
@@ -111,8 +111,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--export", type=Path, default=BF16_CHECKPOINT_DIR)
     ap.add_argument("--no-export", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def _optimizer(params: list, lr: float) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+def _resume(state_path: Path, model, mtp, opt) -> int:
+    """Load a saved state; returns the step it was saved at."""
+    st = torch.load(state_path, weights_only=False)
+    model.load_state_dict(st["model"])
+    mtp.load_state_dict(st["mtp"])
+    opt.load_state_dict(st["opt"])
+    print(f"resumed from {state_path} at step {st['step']}", flush=True)
+    return st["step"]
+
+
+def _losses(model, mtp, ids: torch.Tensor, mtp_steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Next-token loss of the target and, per MTP recursion step k, the loss of predicting ``ids[t+k+1]``."""
+    logits, hidden = target_forward(model, ids)
+    loss_main = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    mtp_losses = []
+    for k, lg in enumerate(mtp.forward_steps(hidden, ids, mtp_steps), start=1):
+        # step k at row t predicts ids[t+k+1]; the last row has no target
+        mtp_losses.append(F.cross_entropy(lg[:, :-1].flatten(0, 1), ids[:, k + 1:].flatten()))
+    return loss_main, mtp_losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     tok_dir = ASSETS_DIR / "tokenizer"
@@ -124,27 +156,17 @@ def main(argv: list[str] | None = None) -> int:
 
     model, mtp = build_models(MODEL_CONFIG, args.seed)
     params = list(model.parameters()) + list(mtp.parameters())
-    n_params = sum(p.numel() for p in params)
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    opt = _optimizer(params, args.lr)
     state_path = args.out / "state.pt"
-    start = 0
-    if args.resume and state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        model.load_state_dict(st["model"])
-        mtp.load_state_dict(st["mtp"])
-        opt.load_state_dict(st["opt"])
-        start = st["step"]
-        print(f"resumed from {state_path} at step {start}", flush=True)
+    start = _resume(state_path, model, mtp, opt) if args.resume and state_path.exists() else 0
     gates = [l.mlp.gate for l in model.model.layers if not l.mlp.is_hash] + [mtp.block.mlp.gate]
     balancer = BiasBalancer(gates)
 
     stream = packed_sequences(tok, args.seed, args.seq_len + 1, args.n_problems)
     for _ in range(start * args.batch):  # same data order after a resume
         next(stream)
-    print(f"params {n_params / 1e6:.2f}M, steps {start}..{args.steps}, batch {args.batch}x{args.seq_len}", flush=True)
+    print(f"params {sum(p.numel() for p in params) / 1e6:.2f}M, steps {start}..{args.steps}, batch "
+          f"{args.batch}x{args.seq_len}", flush=True)
     model.train()
     mtp.train()
     t0, tokens = time.time(), 0
@@ -152,12 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.tensor([next(stream)[: args.seq_len] for _ in range(args.batch)])
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        logits, hidden = target_forward(model, ids)
-        loss_main = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-        mtp_losses = []
-        for k, lg in enumerate(mtp.forward_steps(hidden, ids, args.mtp_steps), start=1):
-            # step k at row t predicts ids[t+k+1]; the last row has no target
-            mtp_losses.append(F.cross_entropy(lg[:, :-1].flatten(0, 1), ids[:, k + 1:].flatten()))
+        loss_main, mtp_losses = _losses(model, mtp, ids, args.mtp_steps)
         loss = loss_main + args.mtp_weight * sum(l / (2 ** i) for i, l in enumerate(mtp_losses))
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     except (QuantizeError, ValueError) as e:  # ValueError: CheckpointError / ConfigError name the file
         print(f"dsv4-mtp quantize: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM / SIGHUP (quant.publish.Interrupted)
+    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM / SIGHUP (vllm_dsv4_mtp.quant.publish.Interrupted)
         signum = getattr(e, "signum", signal.SIGINT)
         if getattr(e, "published", False):
             state = f"the conversion had finished: {args.dst} is the complete new output"

@@ -21,7 +21,7 @@ What happens to each tensor (native names; ``N`` a main layer, ``E`` an expert):
 ``config.json`` gets the Quark ``quantization_config``
 (:func:`~vllm_dsv4_mtp.formats.quark_config.mxfp4_experts_config`); other files (tokenizer, generation
 config, ...) are copied. Output goes to a hidden directory next to DST that replaces DST atomically only when
-complete (:mod:`quant.publish`: at every instant DST is the previous output or the complete new one); an
+complete (:mod:`vllm_dsv4_mtp.quant.publish`: at every instant DST is the previous output or the complete new one); an
 existing DST is replaced only with ``force``. Leftovers of interrupted runs are removed (and reported) first.
 
 Refused, naming the file and tensor: NaN / Inf source weights (they would quantize to the E8M0 NaN/Inf scales
@@ -370,7 +370,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, shared_experts: str
 
 
 def _sweep(dst: Path) -> list[str]:
-    """Leftovers of interrupted runs next to DST, dealt with (quant.publish.sweep) and reported on stderr."""
+    """Leftovers of interrupted runs next to DST, dealt with (vllm_dsv4_mtp.quant.publish.sweep) and reported on stderr."""
     try:
         notes = sweep(dst)
     except Busy as e:

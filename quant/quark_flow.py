@@ -15,7 +15,7 @@ Guards around Quark's behaviour:
   after any run checks that Quark really wrote a Quark checkpoint.
 - Quark keeps an excluded MTP layer as stored: from the official FP8 release the MTP stays FP8/FP4 (``dsv4-mtp
   quantize`` writes it BF16, the project's policy); from a BF16 source it stays BF16 either way.
-- output goes to a hidden directory next to DST that replaces DST atomically at the end (``quant.publish``, as
+- output goes to a hidden directory next to DST that replaces DST atomically at the end (``vllm_dsv4_mtp.quant.publish``, as
   for ``dsv4-mtp quantize``); DST is replaced only with --force.
 """
 

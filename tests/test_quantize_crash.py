@@ -66,9 +66,9 @@ def _run(refs, parent: Path, *, crash_at: str | None = None, no_exchange: bool =
         env[CRASH_ENV] = crash_at
     prelude = ""
     if no_exchange:  # a filesystem without RENAME_EXCHANGE, forced by the test, not by a switch in the tool
-        prelude += "import vllm_dsv4_mtp.vllm_dsv4_mtp.quant.publish as p; p._exchange = lambda a, b: False\n"
+        prelude += "import vllm_dsv4_mtp.quant.publish as p; p._exchange = lambda a, b: False\n"
     if signal_at:
-        prelude += (f"import os, vllm_dsv4_mtp.quant.publish as p, quant.quantize as q\n"
+        prelude += (f"import os, vllm_dsv4_mtp.quant.publish as p, vllm_dsv4_mtp.quant.quantize as q\n"
                     f"def at(name):\n    if name == {signal_at[0]!r}: os.kill(os.getpid(), {int(signal_at[1])})\n"
                     f"p.crash_point = q.crash_point = at\n")
     code = prelude + "import sys; from vllm_dsv4_mtp.cli import main; sys.exit(main(sys.argv[1:]))"

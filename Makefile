@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup_env.sh
+$(STAMP): pyproject.toml setup.py scripts/setup_env.sh
 	bash scripts/setup_env.sh
 
 test: $(STAMP)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
+from pathlib import Path
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "M": 10**6, "MB": 10**6, "MIB": 2**20,
@@ -34,7 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "routed experts become OCP MXFP4 exactly as amd-quark 0.13 writes them (weights static, "
                     "activations dynamic MXFP4, group 32; official FP4 experts are re-encoded losslessly), the "
                     "MTP layer is kept in BF16 and listed in `exclude`, every other tensor is copied byte for "
-                    "byte. Writes a temporary directory next to DST and renames it at the end.",
+                    "byte. Writes a hidden directory next to DST that replaces DST atomically only once complete; "
+                    "leftovers of interrupted runs are removed first. NaN/Inf source weights, a destination "
+                    "without room and I/O errors are refused with a one-line error (exit status 2).",
     )
     p.add_argument("src", help="source checkpoint directory (config.json + safetensors)")
     p.add_argument("dst", help="output directory (must not exist or be empty, unless --force)")
@@ -57,7 +61,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quant.quantize import QuantizeError, quantize_checkpoint
+    from vllm_dsv4_mtp.quant.quantize import QuantizeError, quantize_checkpoint
 
     if args.threads is not None:
         if args.threads < 1:
@@ -74,5 +78,14 @@ def run(args: argparse.Namespace) -> int:
     except (QuantizeError, ValueError) as e:  # ValueError: CheckpointError / ConfigError name the file
         print(f"dsv4-mtp quantize: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM / SIGHUP (vllm_dsv4_mtp.quant.publish.Interrupted)
+        signum = getattr(e, "signum", signal.SIGINT)
+        if getattr(e, "published", False):
+            state = f"the conversion had finished: {args.dst} is the complete new output"
+        else:
+            state = (f"the partial output was removed, {args.dst} is "
+                     + ("unchanged" if Path(args.dst).exists() else "not created"))
+        print(f"\ndsv4-mtp quantize: interrupted by {signal.Signals(signum).name}: {state}", file=sys.stderr)
+        return 128 + signum
     print(report.summary())
     return 0

@@ -19,22 +19,40 @@ What happens to each tensor (native names; ``N`` a main layer, ``E`` an expert):
 - everything else: copied byte for byte under its own name.
 
 ``config.json`` gets the Quark ``quantization_config``
-(:func:`~vllm_dsv4_mtp.formats.quark_config.mxfp4_experts_config`); other files (tokenizer, generation config, ...) are copied. Output goes to a temporary directory next to DST
-that is renamed to DST only when complete; an existing DST is replaced only with ``force``.
+(:func:`~vllm_dsv4_mtp.formats.quark_config.mxfp4_experts_config`); other files (tokenizer, generation
+config, ...) are copied. Output goes to a hidden directory next to DST that replaces DST atomically only when
+complete (:mod:`vllm_dsv4_mtp.quant.publish`: at every instant DST is the previous output or the complete new one); an
+existing DST is replaced only with ``force``. Leftovers of interrupted runs are removed (and reported) first.
+
+Refused, naming the file and tensor: NaN / Inf source weights (they would quantize to the E8M0 NaN/Inf scales
+255/254 and serve garbage), a destination without room for the output (checked up front), and any I/O error on
+the way (a full disk included): the partial output is removed and DST left as it was.
 Memory: one output shard (at most ``max_shard_bytes``, by default the largest source shard) plus the tensor
 being converted.
 """
 
 from __future__ import annotations
 
-import os
+import errno
 import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from vllm_dsv4_mtp.quant.publish import (
+    Busy,
+    WorkDir,
+    crash_point,
+    discard,
+    publish,
+    signals_deferred,
+    signals_interrupt,
+    sweep,
+    sync_tree,
+)
+from vllm_dsv4_mtp.quant.report import QuantizeReport
 
 __all__ = ["QuantizeError", "QuantizeReport", "quantize_checkpoint", "SHARED_EXPERT_MODES"]
 
@@ -51,43 +69,6 @@ _SCALE_SUFFIXES = (".scale", ".weight_scale", ".weight_scale_inv")
 
 class QuantizeError(Exception):
     """The conversion cannot proceed; the message names the checkpoint file or tensor."""
-
-
-@dataclass
-class QuantizeReport:
-    """What one conversion did."""
-
-    src: str
-    dst: str
-    source_quantization: str  # "none" | "fp8 (official)"
-    quantized: list[str] = field(default_factory=list)  # expert weights quantized to MXFP4 from float
-    reencoded: list[str] = field(default_factory=list)  # official FP4 experts re-encoded losslessly
-    requantized_fp8: list[str] = field(default_factory=list)  # FP8 experts decoded then quantized to MXFP4
-    mtp_dequantized: list[str] = field(default_factory=list)  # MTP weights decoded to BF16
-    fp8_kept: list[str] = field(default_factory=list)  # FP8 modules kept (layer_quant_config entries)
-    copied: int = 0  # tensors copied byte for byte (renamed FP8 scales included)
-    exclude: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    bytes_in: int = 0
-    bytes_out: int = 0
-    shards_in: int = 0
-    shards_out: int = 0
-    seconds: float = 0.0
-
-    def summary(self) -> str:
-        lines = [
-            f"quantized {self.src} -> {self.dst} in {self.seconds:.1f} s",
-            f"  source quantization: {self.source_quantization}",
-            f"  routed/shared experts -> MXFP4: {len(self.quantized)} quantized from float, "
-            f"{len(self.reencoded)} re-encoded losslessly from official FP4, "
-            f"{len(self.requantized_fp8)} decoded from FP8 and quantized",
-            f"  MTP weights decoded to BF16: {len(self.mtp_dequantized)}; FP8 modules kept: {len(self.fp8_kept)}",
-            f"  copied byte for byte: {self.copied} tensors; exclude lists {len(self.exclude)} modules",
-            f"  {self.bytes_in / 2**20:.1f} MiB in {self.shards_in} shard(s) -> "
-            f"{self.bytes_out / 2**20:.1f} MiB in {self.shards_out} shard(s)",
-        ]
-        lines += [f"  warning: {w}" for w in self.warnings]
-        return "\n".join(lines)
 
 
 def _is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
@@ -137,8 +118,26 @@ class _Converter:
         return self.r.get(name)
 
     def copy(self, name: str, new_name: str | None = None) -> None:
-        self.w.copy_from(self.r, name, new_name)
+        info = self.r.info(name)
+        data = self.r.raw_buffer(name)
+        self.refuse_nonfinite(name, info.dtype, data)
+        self.w.add_raw(new_name or name, info.dtype, info.shape, data)
         self.report.copied += 1
+
+    def refuse_nonfinite(self, name: str, dtype: str, data) -> None:
+        """Stored bytes of ``name`` with a NaN / Inf (see formats.finite) stop the conversion, naming it."""
+        import torch
+
+        from vllm_dsv4_mtp.formats.finite import stored_nonfinite
+
+        found = stored_nonfinite(name, dtype, torch.frombuffer(data, dtype=torch.uint8)) if len(data) else None
+        if found:
+            self.nonfinite(name, found)
+
+    def nonfinite(self, name: str, found: str) -> None:
+        raise QuantizeError(f"{self.where(name)}: non-finite values in the source ({found}): a broken or corrupted "
+                            f"weight cannot be quantized (`dsv4-mtp inspect --scan-values {self.r.path}` lists "
+                            f"every such tensor)")
 
     def fp4_pair(self, name: str, scale: str | None) -> bool:
         """Is ``name`` + ``scale`` an MXFP4 pair (packed bytes ``[out, k/2]`` + E8M0 ``[out, k/32]``)? Checks shapes."""
@@ -196,8 +195,10 @@ class _Converter:
         module = _module(name)
         if self.fp4_pair(name, scale):  # official FP4: keep the bytes, Quark names and uint8 containers
             wi, si = self.r.info(name), self.r.info(scale)
+            scale_bytes = self.r.raw_buffer(scale)
+            self.refuse_nonfinite(scale, si.dtype, scale_bytes)
             self.w.add_raw(name, "U8", wi.shape, self.r.raw_buffer(name))
-            self.w.add_raw(module + ".weight_scale", "U8", si.shape, self.r.raw_buffer(scale))
+            self.w.add_raw(module + ".weight_scale", "U8", si.shape, scale_bytes)
             self.report.reencoded.append(name)
             return
         from_fp8 = self.fp8_pair(name, scale)
@@ -206,6 +207,12 @@ class _Converter:
             packed, scales = mxfp4.quantize(value)
         except (ValueError, TypeError) as e:
             raise QuantizeError(f"{self.where(name)}: {e}") from None
+        if int(scales.max()) >= 254:  # the NaN / Inf scale bytes: look at the values only then (cheap otherwise)
+            from vllm_dsv4_mtp.formats.finite import describe_nonfinite
+
+            found = describe_nonfinite(value)
+            if found:
+                self.nonfinite(name, found)
         self.w.add(name, packed)
         self.w.add(module + ".weight_scale", scales)
         (self.report.requantized_fp8 if from_fp8 else self.report.quantized).append(name)
@@ -220,7 +227,12 @@ class _Converter:
                                     f"{scale}; only FP8 and FP4 weights carry scales")
             self.copy(name)
             return
+        from vllm_dsv4_mtp.formats.finite import describe_nonfinite
+
         value = self.decode(name, scale)
+        found = describe_nonfinite(value)  # an FP8 NaN code or an E8M0 NaN scale decodes to NaN
+        if found:
+            self.nonfinite(name, found)
         self.w.add(name, value.to(torch.bfloat16))
         self.report.mtp_dequantized.append(name)
 
@@ -268,7 +280,7 @@ class _Converter:
 
 def _preflight(src: Path, allow_missing_mtp: bool) -> list[str]:
     """Header-only check of SRC against its config.json (dsv4-mtp inspect). Errors stop the conversion."""
-    from vllm_dsv4_mtp.tools.inspect import inspect_checkpoint
+    from vllm_dsv4_mtp.tools.inspect_checkpoint import inspect_checkpoint
 
     report = inspect_checkpoint(src, allow_quantized_mtp=True)  # an official release's FP8 MTP is expected
     soft = {"mtp-absent", "no-mtp"} if allow_missing_mtp else set()
@@ -316,11 +328,12 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, shared_experts: str
     if shared_experts not in SHARED_EXPERT_MODES:
         raise QuantizeError(f"shared_experts must be one of {SHARED_EXPERT_MODES}, got {shared_experts!r}")
     src, dst = Path(src), Path(dst)
+    swept = _sweep(dst)  # first: a previous output hidden by an interrupted run is put back before DST is judged
     _check_paths(src, dst, force)
     reader, cfg, spec = _open_source(src)
     report = QuantizeReport(src=str(src), dst=str(dst),
                             source_quantization="fp8 (official)" if cfg.get("quantization_config") else "none",
-                            bytes_in=reader.total_bytes, shards_in=len(reader.shards))
+                            bytes_in=reader.total_bytes, shards_in=len(reader.shards), warnings=swept)
     if check:
         report.warnings += _preflight(src, allow_missing_mtp)
     if spec.num_nextn_predict_layers and not any(n.startswith("mtp.") for n in reader):
@@ -328,20 +341,88 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, shared_experts: str
                                f"mtp.* tensors are stored; the output has no MTP draft either")
     if max_shard_bytes is None:
         max_shard_bytes = max(p.stat().st_size for p in reader.shards)
-
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        _write_output(reader, cfg, tmp, shared_experts=shared_experts, max_shard_bytes=max_shard_bytes,
-                      progress=progress, report=report)
-        _publish(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _check_space(reader, dst, shared_experts)
+    crash_point("swept")
+    with signals_interrupt():
+        work, published = WorkDir(dst), False
+        try:
+            _write_output(reader, cfg, work.path, shared_experts=shared_experts, max_shard_bytes=max_shard_bytes,
+                          progress=progress, report=report)
+            sync_tree(work.path)
+            crash_point("synced")
+            with signals_deferred():  # an interrupt arriving now is raised once DST is the complete new output
+                atomic = publish(work, dst)
+                published = True
+            if not atomic:
+                report.warnings.append(f"{dst.parent}: the filesystem cannot exchange directories atomically "
+                                       f"(renameat2 RENAME_EXCHANGE); DST was replaced in two renames")
+        except BaseException as e:
+            discard(work, dst)
+            if isinstance(e, OSError):
+                raise QuantizeError(_io_error(e, work.path, dst)) from None
+            if isinstance(e, KeyboardInterrupt):
+                e.published = published  # for the CLI's message: was DST replaced before the interrupt?
+            raise
+        work.close()
+    crash_point("done")
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _sweep(dst: Path) -> list[str]:
+    """Leftovers of interrupted runs next to DST, dealt with (vllm_dsv4_mtp.quant.publish.sweep) and reported on stderr."""
+    try:
+        notes = sweep(dst)
+    except Busy as e:
+        raise QuantizeError(str(e)) from None
+    except OSError as e:
+        raise QuantizeError(f"{e.filename or dst.parent}: cannot clean up an earlier run's leftovers: "
+                            f"{e.strerror}") from None
+    for n in notes:  # at once, not only in the final report: the run may still fail afterwards
+        print(f"dsv4-mtp quantize: {n}", file=sys.stderr)
+    return notes
+
+
+def _io_error(e: OSError, work: Path, dst: Path) -> str:
+    """One line for an I/O error during the conversion: the file, the system's reason, what became of DST."""
+    where = e.filename or work
+    state = f"{dst} is unchanged" if dst.exists() else f"nothing was written to {dst}"
+    hint = f"; free space on the filesystem of {dst.parent} or choose another DST" if e.errno == errno.ENOSPC else ""
+    return f"{where}: {e.strerror or e} (the partial output was removed; {state}{hint})"
+
+
+def _output_bytes(reader, shared_experts: str) -> int:
+    """About how many bytes the output's tensors take (never more than they will): experts become packed E2M1
+    (1/2 byte per element) + E8M0 scales (1/32), a quantized MTP tensor becomes BF16, the rest is copied."""
+    total = 0
+    for name, info in reader.tensors.items():
+        owner = _scale_owner(reader, name)
+        if owner is not None and (_is_expert(owner, shared_experts) or owner.startswith("mtp.")):
+            continue  # counted with its weight (or dropped)
+        elements = info.numel * (2 if info.dtype in _PACKED_FP4 else 1)  # packed FP4 shapes count bytes
+        if _is_expert(name, shared_experts):
+            total += elements // 2 + elements // 32
+        elif name.startswith("mtp.") and info.dtype not in _FLOAT and _scale_of(reader, name):
+            total += elements * 2
+        else:
+            total += info.nbytes
+    return total
+
+
+def _is_expert(name: str, shared_experts: str) -> bool:
+    return bool(ROUTED_EXPERT.match(name) or (SHARED_EXPERT.match(name) and shared_experts == "mxfp4"))
+
+
+def _check_space(reader, dst: Path, shared_experts: str) -> None:
+    """Refuse up front when DST's filesystem cannot hold the output (rather than fail after writing most of it)."""
+    need = _output_bytes(reader, shared_experts)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(dst.parent).free
+    if free < need:
+        both = (" (the current DST stays in place until the new output is complete, so both must fit)"
+                if dst.exists() else "")
+        raise QuantizeError(f"{dst.parent}: not enough free space for the output: it needs about "
+                            f"{need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free{both}")
 
 
 def _open_source(src: Path):
@@ -376,12 +457,15 @@ def _write_output(reader, cfg: dict[str, Any], tmp: Path, *, shared_experts: str
 
     writer = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes, always_index=reader.index_file is not None)
     conv = _Converter(reader, writer, shared_experts, report)
+    done = 0
     with writer, tqdm(total=len(reader), unit="tensor", desc="quantize", disable=not progress,
                       file=sys.stderr) as bar:
         for shard in reader.shards:
             bar.set_postfix_str(shard.name)
             for name in reader.shard_names(shard):
                 conv.convert(name)
+                crash_point(f"tensor:{done}")
+                done += 1
                 bar.update(1)
         out_cfg = dict(cfg)
         out_cfg["quantization_config"] = mxfp4_experts_config(sorted(conv.exclude),
@@ -393,22 +477,9 @@ def _write_output(reader, cfg: dict[str, Any], tmp: Path, *, shared_experts: str
     for f in sorted(reader.path.iterdir()):
         if f.is_file() and f.suffix != ".safetensors" and f.name not in skip:
             shutil.copyfile(f, tmp / f.name)
+    crash_point("written")
     out = CheckpointReader(tmp)
     QuarkQuantConfig.from_dict(out.config["quantization_config"], source=str(tmp / "config.json"))
+    crash_point("verified")
     report.exclude = sorted(conv.exclude)
     report.bytes_out, report.shards_out = out.total_bytes, len(out.shards)
-
-
-def _publish(tmp: Path, dst: Path) -> None:
-    """Move the finished TMP to DST; an existing DST is swapped out first and removed only afterwards."""
-    if not dst.exists():
-        os.replace(tmp, dst)
-        return
-    old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-    os.replace(dst, old)
-    try:
-        os.replace(tmp, dst)
-    except BaseException:
-        os.replace(old, dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)

@@ -15,19 +15,19 @@ Guards around Quark's behaviour:
   after any run checks that Quark really wrote a Quark checkpoint.
 - Quark keeps an excluded MTP layer as stored: from the official FP8 release the MTP stays FP8/FP4 (``dsv4-mtp
   quantize`` writes it BF16, the project's policy); from a BF16 source it stays BF16 either way.
-- output goes to a temporary directory next to DST and is renamed at the end; DST is replaced only with --force.
+- output goes to a hidden directory next to DST that replaces DST atomically at the end (``vllm_dsv4_mtp.quant.publish``, as
+  for ``dsv4-mtp quantize``); DST is replaced only with --force.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
-from quant.quantize import QuantizeError, _check_paths, _publish
+from vllm_dsv4_mtp.quant.publish import WorkDir, discard, publish, signals_deferred, signals_interrupt, sync_tree
+from vllm_dsv4_mtp.quant.quantize import QuantizeError, _check_paths, _sweep
 
 SHARED_EXPERTS_PATTERN = "*shared_experts*"
 
@@ -65,6 +65,7 @@ def run_quark_flow(src: str | Path, dst: str | Path, *, device: str | None = Non
     src, dst = Path(src), Path(dst)
     if shared_experts not in ("keep", "mxfp4"):
         raise QuantizeError(f"shared_experts must be 'keep' or 'mxfp4', got {shared_experts!r}")
+    _sweep(dst)
     _check_paths(src, dst, force)
     import torch
 
@@ -80,16 +81,20 @@ def run_quark_flow(src: str | Path, dst: str | Path, *, device: str | None = Non
 
     config = LLMTemplate.get("deepseek_v4").get_config(scheme="mxfp4", exclude_layers=quark_exclude(shared_experts))
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.quark-partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        ModelQuantizer(config).direct_quantize_checkpoint(
-            str(src), str(tmp), keep_excluded_layers_as_original_model_state=quantized_source, device=device)
-        _check_quark_output(tmp, src)
-        _publish(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with signals_interrupt():
+        work = WorkDir(dst)
+        try:
+            ModelQuantizer(config).direct_quantize_checkpoint(
+                str(src), str(work.path), keep_excluded_layers_as_original_model_state=quantized_source,
+                device=device)
+            _check_quark_output(work.path, src)
+            sync_tree(work.path)
+            with signals_deferred():
+                publish(work, dst)
+        except BaseException:
+            discard(work, dst)
+            raise
+        work.close()
     return dst
 
 

@@ -43,13 +43,13 @@ def rank_main(rank: int, world: int, port: int, out: str, mode: str, dirs: list[
                 result[d] = {n: [list(p.shape), owners[n.rsplit(".", 1)[0]] if "." in n else ""]
                              for n, p in m.named_parameters()}
             else:
-                from vllm_dsv4_mtp.config import DeepseekV4Spec
+                from vllm_dsv4_mtp.config import spec_from_hf_config
                 from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
                 from vllm_dsv4_mtp.weights.loader import DRAFT, CheckpointLoader
 
                 torch.set_default_dtype(torch.bfloat16)
                 m = InTreeMtpParameters(vc)
-                spec = DeepseekV4Spec.from_hf_config(vc.model_config.hf_config)
+                spec = spec_from_hf_config(vc.model_config.hf_config)
                 reader = CheckpointReader(d)
                 CheckpointLoader(m, spec, scope=DRAFT, dtype=torch.bfloat16, source=d,
                                  param_for=in_tree_param_map(spec, fused_shared_expert=False)).load(

@@ -66,7 +66,7 @@ def server(tmp_path_factory):
         from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
         model = str(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", experts="mxfp4"))
-    k = 2 if common.mtp_draft_registered() else None
+    k = 2
     srv = ManagedServer(ServerSpec(model=model, mtp_k=k), log_path=tmp_path_factory.mktemp("srv") / "server.log",
                         start_timeout_s=600)
     srv.start()

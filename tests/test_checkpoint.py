@@ -173,7 +173,8 @@ def test_truncated_and_empty(tmp_path):
     f.write_bytes(f.read_bytes()[:-10])
     with pytest.raises(CheckpointError) as e:
         CheckpointReader(tmp_path)
-    assert str(e.value).startswith(f"{f}: tensor 'w' (F32 [100]) has data_offsets [0, 400] that do not fit")
+    assert str(e.value) == (f"{f}: truncated safetensors file: its header describes 400 data bytes (through tensor "
+                            f"'w') but the file holds only 390")
     f.write_bytes(b"\x05\x00")
     with pytest.raises(CheckpointError, match="shorter than its 8-byte header length"):
         CheckpointReader(tmp_path)

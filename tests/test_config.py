@@ -18,7 +18,7 @@ from vllm_dsv4_mtp.tools.tiny import tiny_config
 
 YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
 
-# deepseek-ai/DeepSeek-V4-Flash config.json (dsv4-architecture.md §1)
+# deepseek-ai/DeepSeek-V4-Flash config.json (https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/config.json)
 FLASH = {
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
     "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
@@ -68,7 +68,7 @@ def test_pro_config_parses_with_the_documented_schedule():
 
 
 def test_flash_tensor_table_matches_the_release():
-    """69,187 tensors in the Flash release (46 shards), 1,575 of them mtp.*; shapes of dsv4-architecture §6.1."""
+    """69,187 tensors in the Flash release (46 shards), 1,575 of them mtp.*; shapes of the release's safetensors index."""
     s = DeepseekV4Spec.from_dict(FLASH)
     t = expected_tensors(s, "fp4-official", linears="fp8")
     assert len(t) == 69187
@@ -120,7 +120,7 @@ def test_flash_tensor_table_matches_the_release():
 
 
 def test_parameter_counts_match_the_derived_sizes():
-    """dsv4-architecture §9: Flash 284.3B main + 6.6B MTP; Pro 1573B main + 25.8B MTP."""
+    """The model cards: Flash 284.3B main + 6.6B MTP; Pro 1573B main + 25.8B MTP."""
     for cfg, main, mtp in ((FLASH, 284.3, 6.6), (PRO, 1573, 25.8)):
         slots = weight_slots(DeepseekV4Spec.from_dict(cfg)).values()
         n_main = parameter_count(s.shape for s in slots if not s.is_mtp) / 1e9

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from vllm_dsv4_mtp.config import ConfigError, DeepseekV4Spec
+from vllm_dsv4_mtp.config import ConfigError, DeepseekV4Spec, spec_from_hf_config
 from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR, MXFP4_CHECKPOINT_DIR
 from vllm_dsv4_mtp.serve.profiles import FLASH_CONFIG, PRO_CONFIG
 from vllm_dsv4_mtp.testing.published_layouts import OFFICIAL_QUANTIZATION_CONFIG
@@ -43,13 +43,13 @@ def test_transformers_config_gives_the_raw_json_spec(name):
     hf = DeepseekV4Config(**raw)
     assert not hasattr(hf, "compress_ratios") and hasattr(hf, "layer_types")  # really the 0.33 form
     assert not hasattr(hf, "num_hash_layers") and not hasattr(hf, "expert_dtype")
-    assert _comparable(DeepseekV4Spec.from_hf_config(hf)) == _comparable(DeepseekV4Spec.from_dict(raw))
+    assert _comparable(spec_from_hf_config(hf)) == _comparable(DeepseekV4Spec.from_dict(raw))
 
 
 def test_pro_spec_from_transformers_keeps_the_schedule_and_the_fp4_default():
     from transformers import DeepseekV4Config
 
-    spec = DeepseekV4Spec.from_hf_config(DeepseekV4Config(**_raw("pro")))
+    spec = spec_from_hf_config(DeepseekV4Config(**_raw("pro")))
     assert spec.compress_ratios == tuple(PRO_CONFIG["compress_ratios"])  # 61 main layers + the MTP layer's 0
     assert spec.num_hash_layers == 3 and spec.official_expert_dtype == "fp4"
 
@@ -60,4 +60,4 @@ def test_a_config_with_neither_schedule_names_the_field():
     hf = type("Cfg", (), {"to_dict": lambda self: dict(cfg), "name_or_path": "ckpt"})()
     with pytest.raises(ConfigError, match=r"ckpt/config\.json: missing required field 'compress_ratios' \(nor HF's "
                                           r"'layer_types' \+ 'compress_rates' to derive it from\)"):
-        DeepseekV4Spec.from_hf_config(hf)
+        spec_from_hf_config(hf)

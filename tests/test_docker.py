@@ -67,12 +67,19 @@ def env_of(path: Path, stage: int | None = None) -> dict[str, str]:
 
 
 def required_for_install() -> set[str]:
-    """What building the project needs, read from pyproject.toml: itself, its readme, its packages."""
-    need = {"pyproject.toml", PYPROJECT["project"]["readme"]}
-    for pattern in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]:
-        top = pattern.rstrip("*").rstrip(".")
-        assert (ROOT / top).is_dir(), f"pyproject includes {pattern} but {top}/ does not exist"
-        need.add(top)
+    """What building the project needs: pyproject.toml, its readme, setup.py and the folders of the packages
+    setup.py declares (read from setuptools itself, so a new folder cannot be forgotten)."""
+    import ast
+
+    need = {"pyproject.toml", "setup.py", PYPROJECT["project"]["readme"]}
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    kw = {k.arg: k.value for k in call.keywords}
+    package_dir = ast.literal_eval(kw["package_dir"])
+    need |= {d.split("/")[0] for d in package_dir.values()}
+    need.add("vllm_dsv4_mtp")  # find_packages(include=["vllm_dsv4_mtp*"])
+    for top in need - {"pyproject.toml", "setup.py", PYPROJECT["project"]["readme"]}:
+        assert (ROOT / top).is_dir(), f"setup.py builds from {top}/, which does not exist"
     return need
 
 
@@ -226,7 +233,7 @@ def rocm_wheel(tmp_path_factory):
 
 def _final_install_command() -> list[str]:
     last = max(s for s, _, _ in instructions(ROCM))
-    runs = [r for s, w, r in instructions(ROCM) if s == last and w == "RUN" and "pip install" in r]
+    runs = [r for s, w, r in instructions(ROCM) if s == last and w == "RUN" and "pip install" in r and "--no-deps" in r]
     assert len(runs) == 1, runs
     argv = shlex.split(runs[0].split("&&")[0])
     while re.match(r"^[A-Z_]+=", argv[0]):  # leading VAR=value assignments
@@ -283,7 +290,78 @@ def test_version_gate_passes_here_and_names_problems():
 
 
 @pytest.mark.parametrize("version,ok", [("0.32.0", True), ("0.32.1+rocm711", True), ("0.32.2.dev5+gabc", True),
-                                        ("0.31.9", False), ("0.33.0", False), ("0.33.0.dev1", False),
-                                        ("1.0.0", False)])
+                                        ("0.31.9", False), ("0.33.0", True), ("0.33.0.dev1", True),
+                                        ("0.34.0", False), ("1.0.0", False)])
 def test_supported_range(version, ok):
     assert is_supported(version) is ok
+
+
+# ------------------------------------------------------------------------------------------------- ROCm + lm-eval
+def _eval_install() -> tuple[int, str]:
+    """(position in the final stage, RUN arguments) of the lm-eval install step."""
+    last = max(s for s, _, _ in instructions(ROCM))
+    final = [(w, r) for s, w, r in instructions(ROCM) if s == last]
+    hits = [(i, r) for i, (w, r) in enumerate(final) if w == "RUN" and "lm-eval" in r]
+    assert len(hits) == 1, hits
+    return hits[0]
+
+
+def _eval_pip_argv(run: str) -> list[str]:
+    (seg,) = [x for x in run.split("&&") if "pip install" in x]
+    argv = shlex.split(seg)
+    assert argv.pop(0) == "PIP_BREAK_SYSTEM_PACKAGES=1"
+    return argv
+
+
+def test_rocm_image_installs_lm_eval_pinned_as_the_eval_extra_by_default():
+    pos, run = _eval_install()
+    last = max(s for s, _, _ in instructions(ROCM))
+    final = [(w, r) for s, w, r in instructions(ROCM) if s == last]
+    # on by default, a build argument turns it off; the stage re-declares the global ARG so the RUN sees it
+    assert ("ARG", "WITH_EVAL=1") in [(w, r) for s, w, r in instructions(ROCM) if s == -1]
+    assert ("ARG", "WITH_EVAL") in final[:pos]
+    assert run.startswith('if [ "${WITH_EVAL}" = "1" ]; then ') and run.rstrip().endswith("fi")
+    # installed as root, before the image switches to its non-root user
+    assert pos < min(i for i, (w, _) in enumerate(final) if w == "USER")
+    argv = _eval_pip_argv(run)
+    assert argv[:4] == ["python3", "-m", "pip", "install"] and "--no-cache-dir" in argv
+    (req,) = [a for a in argv if a.startswith("lm-eval")]
+    assert req in PYPROJECT["project"]["optional-dependencies"]["eval"] and "==" in req
+    # every distribution already in the image is held at its installed version
+    assert "python3 -m pip list --format=freeze > /tmp/image-constraints.txt" in run
+    assert argv[argv.index("-c") + 1] == "/tmp/image-constraints.txt"
+    assert "python3 -m lm_eval --help > /dev/null" in run  # the build fails if lm-eval cannot start
+
+
+def test_rocm_eval_install_resolves_against_the_environment_it_is_constrained_to(tmp_path):
+    """The step's own pip command, replayed here with this venv as the image: a constraints file written by
+    `pip list --format=freeze` (local versions such as torch 2.13.0+cpu, an installed plugin) is accepted and the
+    pinned lm-eval is consistent with every installed version, so nothing would be replaced. (--no-index: no
+    index here; the image build reads PyPI.)"""
+    _, run = _eval_install()
+    constraints = tmp_path / "image-constraints.txt"
+    frozen = subprocess.run([sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True,
+                            text=True, check=True).stdout
+    constraints.write_text(frozen)
+    lines = [x for x in frozen.splitlines() if x.strip()]
+    assert lines and all(re.fullmatch(r"[A-Za-z0-9_.-]+==\S+", x) for x in lines), lines
+    assert any(x.startswith("torch==") for x in lines) and any(x.startswith("vllm") for x in lines)
+    argv = [a if a != "/tmp/image-constraints.txt" else str(constraints) for a in _eval_pip_argv(run)]
+    argv = [a for a in argv if a != "--no-cache-dir"]
+    report = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, *argv[1:], "--dry-run", "--no-index", "--report", str(report)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(report.read_text())["install"] == []
+
+
+def test_rocm_wheel_carries_what_dsv4_mtp_eval_needs(rocm_wheel):
+    """`dsv4-mtp eval` in the image: its modules, the local task's template and the shipped held-out set
+    (--task local works offline there) are in the wheel the builder stage makes from its build context."""
+    with zipfile.ZipFile(rocm_wheel) as z:
+        names = set(z.namelist())
+    for mod in ("eval_cmd", "eval_ab", "lmeval", "server", "engine_clock", "common"):
+        assert f"vllm_dsv4_mtp/evaluate/{mod}.py" in names
+    for asset in ("evaluate/templates/gsm_tiny_task.yaml", "embedded/assets/gsm_tiny_test.jsonl",
+                  "embedded/assets/gsm_tiny_fewshot.jsonl"):
+        assert f"vllm_dsv4_mtp/{asset}" in names, asset

@@ -84,8 +84,8 @@ def test_export_roundtrip_through_hf_from_pretrained(tmp_path):
     identical logits; the MTP layer comes back identical through the reference loader."""
     from transformers import DeepseekV4ForCausalLM
 
-    from vllm_dsv4_mtp.embedded.export import export_checkpoint
-    from vllm_dsv4_mtp.embedded.train import MODEL_CONFIG, build_models
+    from vllm_dsv4_mtp.embedded.training.export import export_checkpoint
+    from vllm_dsv4_mtp.embedded.training.recipe import MODEL_CONFIG, build_models
     from vllm_dsv4_mtp.reference.mtp import ReferenceMTP, target_forward
 
     torch.set_num_threads(1)
@@ -150,7 +150,7 @@ def test_shipped_checkpoints_fit_the_size_budget():
 def test_shipped_checkpoint_answers_held_out_problems_through_hf():
     """The trained model, loaded by HF transformers from the native files, solves held-out problems
     zero-shot (greedy), and its MTP drafts mostly agree with the target (README has the full numbers)."""
-    from vllm_dsv4_mtp.embedded.evaluate import accuracy, load, mtp_agreement
+    from vllm_dsv4_mtp.embedded.training.accuracy import accuracy, load, mtp_agreement
 
     torch.set_num_threads(1)
     model, mtp, tok = load(BF16_CHECKPOINT_DIR)

@@ -5,6 +5,8 @@ lm-eval `local-completions` run against a vLLM server serving a tiny DeepSeek-V4
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +16,11 @@ import yaml
 
 from vllm_dsv4_mtp.embedded import FEWSHOT_JSONL, TEST_JSONL
 from vllm_dsv4_mtp.evaluate import common
-from vllm_dsv4_mtp.evaluate.eval_cmd import AbRow, ab_table
-from vllm_dsv4_mtp.evaluate.lmeval import LOCAL_TASK, LmEvalError, LmEvalRun, parse_results, write_local_task
+from vllm_dsv4_mtp.cli import build_parser
+from vllm_dsv4_mtp.evaluate.eval_ab import AbRun, compare, report
+from vllm_dsv4_mtp.evaluate.eval_runs import lmeval_run
+from vllm_dsv4_mtp.evaluate.lmeval import (LOCAL_TASK, LmEvalError, SampleAnswer, parse_results,
+                                           write_local_task)
 
 DSV4_MTP = str(Path(sys.executable).parent / "dsv4-mtp")
 LMEVAL_GSM8K = Path(__import__("lm_eval").__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml"
@@ -115,30 +120,90 @@ def test_parse_results_names_what_is_missing(tmp_path):
         parse_results(f, LOCAL_TASK)
 
 
-def test_lm_eval_command_has_the_recipe_shape():
-    run = LmEvalRun(base_url="http://127.0.0.1:8000", model="m", num_fewshot=8, num_concurrent=16, limit=5)
-    argv = run.argv()
-    assert argv[1:4] == ["-m", "lm_eval", "run"]
-    assert argv[argv.index("--model") + 1] == "local-completions"
-    assert argv[argv.index("--tasks") + 1] == "gsm8k" and argv[argv.index("--num_fewshot") + 1] == "8"
-    margs = dict(kv.split("=", 1) for kv in argv[argv.index("--model_args") + 1].split(","))
-    assert margs["base_url"] == "http://127.0.0.1:8000/v1/completions" and margs["num_concurrent"] == "16"
-    assert margs["tokenized_requests"] == "False"
-    assert "--apply_chat_template" not in argv
+# vLLM's DeepSeek-V4 recipe, as published (model and host filled in)
+RECIPE = ["--model", "local-completions", "--model_args",
+          "model=deepseek-ai/DeepSeek-V4-Pro,base_url=http://127.0.0.1:8000/v1/completions,num_concurrent=128,"
+          "max_retries=10,max_gen_toks=2048,timeout=60000", "--batch_size", "auto", "--tasks", "gsm8k",
+          "--num_fewshot", "8"]
 
 
-def test_ab_table_rows():
-    def res(strict, flex, al=None, pos=None):
+def _eval_args(*argv: str):
+    return build_parser("eval").parse_args(["eval", *argv])
+
+
+def test_gsm8k_by_default_is_exactly_the_recipe(monkeypatch):
+    for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(k, raising=False)
+    for argv in ((), ("--task", "gsm8k")):
+        args = _eval_args("--base-url", "http://127.0.0.1:8000", *argv)
+        run = lmeval_run(args, args.base_url, "deepseek-ai/DeepSeek-V4-Pro", Path("out"), None)
+        # the recipe's arguments, in its order; --output_path/--log_samples only write the answers down
+        assert run.lm_eval_args() == RECIPE + ["--output_path", "out", "--log_samples"]
+        assert run.argv() == [sys.executable, "-m", "lm_eval", *run.lm_eval_args()]
+        assert run.command_line() == shlex.join(["lm_eval", *RECIPE, "--output_path", "out", "--log_samples"])
+        # online stays online: the Hub is not switched off behind the user's back
+        assert "HF_HUB_OFFLINE" not in run.env() and "HF_DATASETS_OFFLINE" not in run.env()
+    args = _eval_args("--base-url", "http://127.0.0.1:8000", "--offline")
+    run = lmeval_run(args, args.base_url, "m", Path("out"), None)
+    assert run.env()["HF_HUB_OFFLINE"] == run.env()["HF_DATASETS_OFFLINE"] == "1"
+    assert run.command_line().startswith("HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 lm_eval --model local-completions")
+
+
+def test_local_task_keeps_the_recipe_settings_and_sends_text():
+    args = _eval_args("--base-url", "http://127.0.0.1:8000/v1", "--task", "local", "--limit", "5")
+    run = lmeval_run(args, args.base_url, "dsv4-tiny", Path("o"), Path("inc"))
+    assert run.lm_eval_args() == [
+        "--model", "local-completions", "--model_args",
+        "model=dsv4-tiny,base_url=http://127.0.0.1:8000/v1/completions,num_concurrent=128,max_retries=10,"
+        "max_gen_toks=2048,timeout=60000,tokenizer_backend=None,tokenized_requests=False",
+        "--batch_size", "auto", "--tasks", LOCAL_TASK, "--num_fewshot", "8", "--output_path", "o", "--log_samples",
+        "--include_path", "inc", "--limit", "5"]
+    assert run.offline and run.env()["HF_DATASETS_OFFLINE"] == "1"
+
+
+@pytest.mark.parametrize("task_args", [(), ("--task", "gsm8k")])
+def test_gsm8k_offline_without_the_dataset_fails_in_one_line(tmp_path, task_args):
+    """Offline with an empty Hugging Face cache: one line saying what is missing and how to get it, before any
+    server is asked (port 9 has none), and never a silent switch to the shipped tiny task."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    out = tmp_path / "out"
+    r = subprocess.run([DSV4_MTP, "eval", "--base-url", "http://127.0.0.1:9", *task_args, "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 1 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("dsv4-mtp eval: error: lm-eval's gsm8k dataset (openai/gsm8k, config main) is not "
+                               f"cached ({tmp_path / 'hf'})")
+    assert "python -c \"import datasets; datasets.load_dataset('openai/gsm8k', 'main')\"" in lines[0]
+    assert "--task local" in lines[0]
+    assert not out.exists() or not any(out.rglob("*"))  # no task written, no lm-eval run
+
+
+def _sample(doc_id: int, text: str, correct: bool) -> SampleAnswer:
+    number = text.rsplit("#### ", 1)[-1]
+    return SampleAnswer(doc_id, text, number, correct, number, correct)
+
+
+def test_ab_report_compares_answer_by_answer():
+    def result(strict, flex, al=None, pos=None):
         sd = None if al is None else {"mean_acceptance_length": al, "per_position_acceptance": pos}
-        return {"score": {"strict": strict, "flexible": flex, "n": 10}, "spec_decode": sd, "wall_s": 12.0}
+        return {"score": {"strict": strict, "strict_stderr": 0.05, "flexible": flex, "flexible_stderr": None,
+                          "n": 3}, "spec_decode": sd, "wall_s": 12.0, "lm_eval_command": f"lm_eval --x {strict}"}
 
-    table = ab_table([AbRow("BF16", None, res(0.5, 0.6)), AbRow("BF16", 1, res(0.5, 0.6, 1.9, [0.9]), identical=(10, 10)),
-                      AbRow("MXFP4", 3, res(0.4, 0.5, 2.5, [0.8, 0.5, 0.2]), identical=(9, 10))])
-    lines = table.strip().splitlines()
-    assert len(lines) == 5
-    assert lines[2].startswith("| BF16 | MTP off | 0.5000 | 0.6000 | 10 | – | – | – |")
-    assert "| BF16 | MTP K=1 | 0.5000 | 0.6000 | 10 | 1.900 | 0.90 | 10/10 |" in lines[3]
-    assert "| MXFP4 | MTP K=3 | 0.4000 | 0.5000 | 10 | 2.500 | 0.80 / 0.50 / 0.20 | 9/10 |" in lines[4]
+    base = AbRun("off", base_url="http://a", model="m", mtp="off", result=result(0.5, 0.6),
+                 answers={i: _sample(i, f"#### {i}", i != 2) for i in range(3)})
+    on = AbRun("k2", base_url="http://b", model="m", mtp="K=2", baseline="off",
+               result=result(0.4, 0.6, 2.5, [0.8, 0.7]),
+               answers={0: _sample(0, "#### 0", True), 1: _sample(1, "#### 7", False), 2: _sample(2, "#### 2", False)})
+    compare([base, on])
+    assert on.identical == (2, 3) and on.differing == [1]
+    lines = report([base, on]).splitlines()
+    assert lines[2] == "| off | m | off | 0.5000 ± 0.0500 | 0.6000 | 3 | – | – | (baseline) | 12 | [1] |"
+    assert lines[3] == "| k2 | m | K=2 | 0.4000 ± 0.0500 | 0.6000 | 3 | 2.500 | 0.80 / 0.70 | 2/3 (off) | 12 | [2] |"
+    assert "[1] `lm_eval --x 0.5`" in lines and "[2] `lm_eval --x 0.4`" in lines
+    assert "- k2 vs off: 1 differ: doc 1: `1` (right) vs `7` (wrong)" in lines
 
 
 # ------------------------------------------------------------------------------- against a real server
@@ -155,7 +220,7 @@ def server(tmp_path_factory):
         from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
         model = str(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", experts="mxfp4"))
-    k = 1 if common.mtp_draft_registered() else None
+    k = 1
     srv = ManagedServer(ServerSpec(model=model, mtp_k=k), log_path=tmp_path_factory.mktemp("srv") / "server.log",
                         start_timeout_s=600)
     srv.start()
@@ -168,11 +233,13 @@ def test_eval_local_task_against_server(server, tmp_path):
     from vllm_dsv4_mtp.evaluate.client import complete
 
     out = tmp_path / "eval"
-    r = subprocess.run([DSV4_MTP, "eval", "--base-url", server.base_url, "--limit", "3", "--num-fewshot", "2",
-                        "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out), "--json"],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run([DSV4_MTP, "eval", "--base-url", server.base_url, "--task", "local", "--limit", "3",
+                        "--num-fewshot", "2", "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out),
+                        "--json"], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(r.stdout)
+    assert res["lm_eval_command"].startswith("HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 lm_eval --model local-completions "
+                                             "--model_args model=dsv4-tiny,")
     score = res["score"]
     assert score["task"] == LOCAL_TASK and score["n"] == 3 and score["num_fewshot"] == 2
     assert 0.0 <= score["strict"] <= 1.0 and 0.0 <= score["flexible"] <= 1.0
@@ -204,7 +271,37 @@ def test_eval_local_task_against_server(server, tmp_path):
         assert res["spec_decode"] is None
 
 
+@pytest.mark.engine
+def test_ab_over_running_servers_compares_every_answer(server, tmp_path):
+    """--ab over servers given by URL (here the same one twice): both runs scored, MTP read from /metrics, and
+    every answer compared with the baseline's (greedy, one request at a time: all identical)."""
+    out = tmp_path / "ab"
+    r = subprocess.run([DSV4_MTP, "eval", "--ab", "--task", "local", "--server", f"first={server.base_url}",
+                        "--server", f"again={server.base_url}/v1", "--limit", "3", "--num-fewshot", "2",
+                        "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    mtp = "off" if server.spec.mtp_k is None else f"K={server.spec.mtp_k}"
+    rows = [line for line in r.stdout.splitlines() if line.startswith(("| first |", "| again |"))]
+    assert len(rows) == 2
+    assert rows[0].startswith(f"| first | dsv4-tiny | {mtp} | ") and "| 3 | " in rows[0] and "(baseline)" in rows[0]
+    assert rows[1].startswith(f"| again | dsv4-tiny | {mtp} | ") and "| 3/3 (first) |" in rows[1]
+    assert "- again vs first: none, all 3 identical" in r.stdout
+    assert r.stdout.count("`HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 lm_eval --model local-completions") == 2
+    report = json.loads((out / "eval_ab.json").read_text())
+    assert [row["identical_to_baseline"] for row in report["rows"]] == [None, [3, 3]]
+    answers = [json.loads(line) for line in (out / "eval_ab_answers.jsonl").read_text().splitlines()]
+    assert [a["doc_id"] for a in answers] == [0, 1, 2]
+    assert all(a["runs"]["first"]["response"] == a["runs"]["again"]["response"] for a in answers)
+
+
 def test_eval_reports_an_unreachable_server(tmp_path):
-    r = subprocess.run([DSV4_MTP, "eval", "--base-url", "http://127.0.0.1:9", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "cannot reach http://127.0.0.1:9" in r.stderr
+    r = subprocess.run([DSV4_MTP, "eval", "--base-url", "http://127.0.0.1:9", "--task", "local", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "cannot reach http://127.0.0.1:9/health" in r.stderr, r.stderr
+
+
+def test_ab_refuses_an_unknown_baseline(tmp_path):
+    r = subprocess.run([DSV4_MTP, "eval", "--ab", "--task", "local", "--server", "a=http://127.0.0.1:9",
+                        "--baseline", "b", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "--baseline 'b' is none of the runs ['a']" in r.stderr, r.stderr

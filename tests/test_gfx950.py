@@ -93,7 +93,7 @@ def test_gfx950_greedy_mtp_equals_mtp_off_and_is_accepted(tmp_path, k):
     from vllm import LLM, SamplingParams
 
     from vllm_dsv4_mtp.model.mtp_bench import spec_decode_from_llm
-    from vllm_dsv4_mtp.model.mtp_checkpoints import make_permutation_model, permutation_chain
+    from vllm_dsv4_mtp.testing.mtp_checkpoints import make_permutation_model, permutation_chain
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
 
     ckpt = build_tiny_checkpoint(tmp_path / "perm", tiny_config(**GFX950_DIMS), seed=5)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
+import re
 
 import pytest
 import torch
 
 from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader, CheckpointWriter
-from vllm_dsv4_mtp.tools.inspect import inspect_checkpoint
+from vllm_dsv4_mtp.tools.inspect_checkpoint import inspect_checkpoint
 from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -231,9 +231,30 @@ def test_no_mtp_declared_is_a_warning(capsys, tmp_path):
     p = build_tiny_checkpoint(tmp_path, tiny_config(num_nextn_predict_layers=0), tokenizer=False)
     rc, msgs, rep = _problems(capsys, p)
     assert rc == 0
-    assert msgs == ["config.json: num_nextn_predict_layers = 0: the checkpoint declares no MTP layer, so MTP "
-                    "speculative decoding is unavailable"]
+    assert msgs == [f"{p / 'config.json'}: num_nextn_predict_layers = 0: the checkpoint declares no MTP layer, so "
+                    f"MTP speculative decoding is unavailable"]
     assert rep["problems"][0]["severity"] == "warning"
+    # asked about MTP ("I will serve this with an MTP speculative config"): an error
+    rc, msgs, rep = _problems(capsys, p, "--mtp")
+    assert rc == 1 and rep["for_mtp"]
+    assert msgs == [f"{p / 'config.json'}: num_nextn_predict_layers = 0: the checkpoint has no MTP layer, so it "
+                    f"cannot be served with speculative_config method 'mtp' (vLLM 0.32 would stop with "
+                    f"'ZeroDivisionError: integer modulo by zero'); serve it without a speculative config"]
+    assert rep["problems"][0]["severity"] == "error"
+
+
+def test_mtp_flag_on_a_good_checkpoint(capsys, bf16):
+    rc, msgs, rep = _problems(capsys, bf16, "--mtp")
+    assert rc == 0 and msgs == [] and rep["mtp"]["precision"] == "bf16"
+
+
+def test_mtp_stripped_is_an_error_with_or_without_the_flag(capsys, bf16, tmp_path):
+    """What `quantize --allow-missing-mtp` writes: config declares an MTP layer, no mtp.* tensor is stored."""
+    p = _rewrite(bf16, tmp_path, drop=lambda n: n.startswith("mtp."))
+    for flags in ((), ("--mtp",)):
+        rc, msgs, _ = _problems(capsys, p, *flags)
+        assert rc == 1 and msgs == ["mtp.0: MTP layer absent: config.json declares num_nextn_predict_layers = 1 "
+                                    "but no mtp.0.* tensor is stored"]
 
 
 def test_mtp_quantized(capsys, mxfp4, tmp_path, monkeypatch):
@@ -350,6 +371,17 @@ def test_malformed_config(capsys, bf16, tmp_path):
                     f"MTP layer)"]
 
 
+def test_negative_dimension_and_missing_config(capsys, bf16, tmp_path):
+    cfg = CheckpointReader(bf16).config
+    cfg["hidden_size"] = -128
+    p = _rewrite(bf16, tmp_path / "neg", config=cfg)
+    rc, msgs, _ = _problems(capsys, p, "--mtp")
+    assert rc == 1 and msgs == [f"{p / 'config.json'}: field 'hidden_size' must be > 0, got -128"]
+    (p / "config.json").unlink()
+    rc, msgs, _ = _problems(capsys, p)
+    assert rc == 1 and msgs == [f"{p / 'config.json'}: config.json not found"]
+
+
 def test_missing_shard(capsys, bf16, tmp_path):
     p = tmp_path / "c"
     r = CheckpointReader(bf16)
@@ -379,3 +411,72 @@ def test_official_fp8_fp4_layout(capsys, tmp_path):
     assert rep["kinds"]["routed_experts"]["precision"] == "fp4-official"
     assert rep["kinds"]["attention"]["precision"] == "fp8-block"
     assert rep["quantization"] == "fp8 (official block FP8)"
+
+
+# --------------------------------------------------------------------------------------------- values
+def _poison(src, dst, name, positions, value):
+    r = CheckpointReader(src)
+    t = r.get(name).clone()
+    flat = t.view(-1) if t.dtype != torch.uint8 else t.view(-1)
+    for i in positions:
+        flat[i] = value
+    return _rewrite(src, dst, put={name: t})
+
+
+def test_scan_values_reports_nan_and_inf(capsys, bf16, tmp_path):
+    p = _poison(bf16, tmp_path / "a", "layers.1.ffn.experts.2.w3.weight", [0, 7], float("nan"))
+    p = _poison(p, tmp_path / "b", "mtp.0.e_proj.weight", [3], float("-inf"))
+    rc, msgs, rep = _problems(capsys, p)  # headers only (the default): the values are not read
+    assert rc == 0 and msgs == [] and rep["values_scanned"] is False
+    rc, out = _cli(capsys, p)
+    assert "values: not read (headers only; --scan-values reads every tensor for NaN / Inf)" in out
+    rc, msgs, rep = _problems(capsys, p, "--scan-values")
+    assert rc == 1 and rep["values_scanned"] is True
+    assert msgs == ["layers.1.ffn.experts.2.w3.weight: non-finite values (2 NaN of 8192 values) in model.safetensors",
+                    "mtp.0.e_proj.weight: non-finite values (1 -Inf of 16384 values) in model.safetensors"]
+    rc, out = _cli(capsys, p, "--scan-values")
+    assert "values: scanned for NaN / Inf" in out
+
+
+def test_scan_values_reads_e8m0_nan_scales(capsys, mxfp4, tmp_path):
+    """A Quark MXFP4 scale byte 255 (E8M0 NaN, stored U8) is found; the packed E2M1 codes have no NaN to find."""
+    p = _poison(mxfp4, tmp_path, "layers.0.ffn.experts.3.w1.weight_scale", [5], 255)
+    rc, msgs, _ = _problems(capsys, p, "--scan-values")
+    assert rc == 1 and msgs == ["layers.0.ffn.experts.3.w1.weight_scale: non-finite values (1 NaN of 256 values) in "
+                                "model.safetensors"]
+    rc, msgs, _ = _problems(capsys, mxfp4, "--scan-values")
+    assert rc == 0 and msgs == []
+
+
+# --------------------------------------------------------------------------------------------- broken shards
+def _sharded(bf16, p):
+    r = CheckpointReader(bf16)
+    with CheckpointWriter(p, max_shard_bytes=1_000_000) as w:
+        for n in r:
+            w.copy_from(r, n)
+        w.write_config(r.config)
+    return p
+
+
+def test_index_entry_pointing_at_a_missing_file(capsys, bf16, tmp_path):
+    p = _sharded(bf16, tmp_path / "c")
+    index = json.loads((p / "model.safetensors.index.json").read_text())
+    index["weight_map"]["layers.3.ffn.experts.7.w2.weight"] = "model-00009-of-00009.safetensors"
+    (p / "model.safetensors.index.json").write_text(json.dumps(index))
+    rc, msgs, _ = _problems(capsys, p)
+    assert rc == 1
+    assert msgs == [f"{p / 'model.safetensors.index.json'}: shard 'model-00009-of-00009.safetensors' (listed for 1 "
+                    f"tensors, e.g. 'layers.3.ffn.experts.7.w2.weight') does not exist"]
+
+
+def test_every_truncated_shard_is_named(capsys, bf16, tmp_path):
+    p = _sharded(bf16, tmp_path / "c")
+    for name in ("model-00002-of-00005.safetensors", "model-00004-of-00005.safetensors"):
+        f = p / name
+        f.write_bytes(f.read_bytes()[:-100])
+    rc, msgs, _ = _problems(capsys, p)
+    assert rc == 1 and len(msgs) == 2
+    for m, name in zip(msgs, ("model-00002-of-00005.safetensors", "model-00004-of-00005.safetensors")):
+        got = re.fullmatch(rf"{re.escape(str(p / name))}: truncated safetensors file: its header describes (\d+) "
+                           rf"data bytes \(through tensor '[\w.]+'\) but the file holds only (\d+)", m)
+        assert got and int(got.group(1)) - int(got.group(2)) == 100, m

@@ -35,7 +35,7 @@ def _prompts(vocab, lens, seed=0):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
+    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
 
     d = build_tiny_checkpoint(tmp_path_factory.mktemp("dsv4") / "bf16",
@@ -57,7 +57,7 @@ def llm(ckpt):
 
 @pytest.fixture(scope="module")
 def hf(ckpt):
-    from vllm_dsv4_mtp.model.hf_oracle import load_hf_model
+    from vllm_dsv4_mtp.testing.hf_oracle import load_hf_model
 
     return load_hf_model(ckpt)
 
@@ -89,7 +89,7 @@ def test_generate_mixed_length_batch(llm):
 def test_prompt_logprobs_match_hf(llm, hf):
     from vllm import SamplingParams
 
-    from vllm_dsv4_mtp.model.hf_oracle import compare_prompt_logprobs
+    from vllm_dsv4_mtp.testing.hf_oracle import compare_prompt_logprobs
 
     prompts = _prompts(512, PROMPT_LENS, seed=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -104,7 +104,7 @@ def test_decode_equals_full_recompute(llm, hf):
     """Greedy tokens decoded one at a time over the paged cache == HF argmax over the whole sequence."""
     from vllm import SamplingParams
 
-    from vllm_dsv4_mtp.model.hf_oracle import greedy_agreement
+    from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement
 
     prompts = _prompts(512, (7, 126, 250, 381), seed=2)  # decode crosses t = 127 / 255 / 383 boundaries
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -26,7 +26,7 @@ PROMPT_LENS = (5, 130, 300, 520)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
+    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
 
     d = build_tiny_checkpoint(tmp_path_factory.mktemp("dsv4") / "bf16", tiny_config(index_n_heads=64), seed=0)
@@ -67,7 +67,7 @@ def test_bf16_model_and_text_generation(llm):
 def test_prompt_logprobs_within_bf16_noise_floor(llm, ckpt):
     from vllm import SamplingParams
 
-    from vllm_dsv4_mtp.model.hf_oracle import compare_prompt_logprobs, load_hf_model
+    from vllm_dsv4_mtp.testing.hf_oracle import compare_prompt_logprobs, load_hf_model
 
     prompts = _prompts(PROMPT_LENS, seed=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -28,7 +28,7 @@ RATIOS = [0, 4, 8, 4, 0]
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
+    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
 
     d = build_tiny_checkpoint(tmp_path_factory.mktemp("dsv4") / "c8",
@@ -56,7 +56,7 @@ def llm(ckpt):
 
 @pytest.fixture(scope="module")
 def hf(ckpt):
-    from vllm_dsv4_mtp.model.hf_oracle import load_hf_model
+    from vllm_dsv4_mtp.testing.hf_oracle import load_hf_model
 
     return load_hf_model(ckpt)
 
@@ -75,7 +75,7 @@ def test_engine_keeps_chunked_prefill_and_prefix_caching(llm):
 def test_chunked_prompt_logprobs_match_hf(llm, hf):
     from vllm import SamplingParams
 
-    from vllm_dsv4_mtp.model.hf_oracle import compare_prompt_logprobs
+    from vllm_dsv4_mtp.testing.hf_oracle import compare_prompt_logprobs
 
     g = torch.Generator().manual_seed(0)
     prompts = [_rand(n, g) for n in (450, 9, 200, 61)]  # 450 = 8 chunks of <= 64 tokens
@@ -89,7 +89,7 @@ def test_chunked_prompt_logprobs_match_hf(llm, hf):
 def test_chunked_decode_and_prefix_cache_hits_equal_recompute(llm, hf):
     from vllm import SamplingParams
 
-    from vllm_dsv4_mtp.model.hf_oracle import greedy_agreement
+    from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement
 
     g = torch.Generator().manual_seed(1)
     shared = _rand(300, g)  # > one 256-token block: the second round reuses it from the prefix cache

@@ -32,7 +32,7 @@ PROMPT_LENS = (5, 130, 300, 520)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
+    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
 
     d = build_tiny_checkpoint(tmp_path_factory.mktemp("dsv4") / "mxfp4", tiny_config(index_n_heads=64), seed=0,
@@ -89,7 +89,7 @@ def test_experts_are_the_exact_decode_of_the_checkpoint(llm, ckpt):
 
 
 def test_prompt_logprobs_match_hf_with_w4a4_rounding(outputs, ckpt, tmp_path_factory):
-    from vllm_dsv4_mtp.model.hf_oracle import (
+    from vllm_dsv4_mtp.testing.hf_oracle import (
         compare_prompt_logprobs,
         dequantized_copy,
         load_hf_model,

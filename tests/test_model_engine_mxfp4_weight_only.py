@@ -24,7 +24,7 @@ PROMPT_LENS = (5, 130, 300, 520)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
+    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
 
     d = build_tiny_checkpoint(tmp_path_factory.mktemp("dsv4") / "w4a16", tiny_config(index_n_heads=64), seed=0,
@@ -49,7 +49,7 @@ def llm(ckpt):
 
 @pytest.fixture(scope="module")
 def hf(ckpt, tmp_path_factory):
-    from vllm_dsv4_mtp.model.hf_oracle import dequantized_copy, load_hf_model
+    from vllm_dsv4_mtp.testing.hf_oracle import dequantized_copy, load_hf_model
 
     return load_hf_model(dequantized_copy(ckpt, tmp_path_factory.mktemp("deq") / "bf16"))
 
@@ -62,7 +62,7 @@ def _prompts(lens, seed):
 def test_weight_only_mxfp4_equals_hf_on_dequantized_weights(llm, hf):
     from vllm import SamplingParams
 
-    from vllm_dsv4_mtp.model.hf_oracle import compare_prompt_logprobs
+    from vllm_dsv4_mtp.testing.hf_oracle import compare_prompt_logprobs
 
     info = llm.apply_model(operator.methodcaller("describe"))[0]
     assert info["expert_activation_quant"] == [False] * 4
@@ -77,7 +77,7 @@ def test_weight_only_mxfp4_equals_hf_on_dequantized_weights(llm, hf):
 def test_weight_only_mxfp4_decode_equals_recompute(llm, hf):
     from vllm import SamplingParams
 
-    from vllm_dsv4_mtp.model.hf_oracle import greedy_agreement
+    from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement
 
     prompts = _prompts((9, 140, 260), seed=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -159,6 +159,7 @@ def test_quark_mxfp4_checkpoint_loads(vllm_dist, ckpts):
     ("unknown", r"layers\.1\.attn\.bogus\.weight: unexpected tensor for this config"),
     ("nan", r"layers\.1\.attn\.wo_b\.weight: 1 non-finite value\(s\) \(NaN or Inf\); the checkpoint is corrupt"),
     ("ids", r"layers\.0\.ffn\.gate\.tid2eid: expert ids must lie in \[0, 8\)"),
+    ("dtype", r"hc_head_fn: stored as torch\.bfloat16, expected F32 \(the DeepSeek-V4 layout\)"),
 ])
 def test_bad_checkpoints_are_errors_naming_the_tensor(vllm_dist, ckpts, breakage, message):
     model = _build(ckpts["bf16"])
@@ -170,6 +171,8 @@ def test_bad_checkpoints_are_errors_naming_the_tensor(vllm_dist, ckpts, breakage
     elif breakage == "nan":
         tensors["layers.1.attn.wo_b.weight"] = tensors["layers.1.attn.wo_b.weight"].clone()
         tensors["layers.1.attn.wo_b.weight"][3, 5] = float("nan")
+    elif breakage == "dtype":
+        tensors["hc_head_fn"] = tensors["hc_head_fn"].bfloat16()
     elif breakage == "ids":
         tensors["layers.0.ffn.gate.tid2eid"] = tensors["layers.0.ffn.gate.tid2eid"] + 8
     else:

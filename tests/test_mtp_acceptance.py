@@ -1,6 +1,6 @@
 """Acceptance is real: an MTP layer built to agree with the target is accepted (nearly) always, in vLLM's engine.
 
-The permutation model (``vllm_dsv4_mtp.model.mtp_checkpoints.make_permutation_model``): the target's next
+The permutation model (``vllm_dsv4_mtp.testing.mtp_checkpoints.make_permutation_model``): the target's next
 token is ``perm[current]`` and the MTP layer, fed the token after the current one, predicts ``perm`` of it,
 which is the target's token after that. One engine (bfloat16, K = 3), 8 concurrent prompts of mixed
 lengths; greedy requests, then sampled ones (temperature 1, rejection sampling; the model is so peaked that
@@ -25,7 +25,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from vllm_dsv4_mtp.model.mtp_checkpoints import make_permutation_model
+    from vllm_dsv4_mtp.testing.mtp_checkpoints import make_permutation_model
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
     d = build_tiny_checkpoint(tmp_path_factory.mktemp("mtp-perm") / "bf16", seed=5)
@@ -63,7 +63,7 @@ def _run(llm, prompts, params):
 def test_greedy_agreeing_mtp_is_accepted(llm, model):
     from vllm import SamplingParams
 
-    from vllm_dsv4_mtp.model.mtp_checkpoints import permutation_chain
+    from vllm_dsv4_mtp.testing.mtp_checkpoints import permutation_chain
 
     _, perm = model
     prompts = _prompts()
@@ -84,7 +84,7 @@ def test_sampled_agreeing_mtp_is_accepted(llm, model):
     """Temperature-1 requests go through vLLM's rejection sampler; acceptance stays near 100 %."""
     from vllm import SamplingParams
 
-    from vllm_dsv4_mtp.model.mtp_checkpoints import permutation_chain
+    from vllm_dsv4_mtp.testing.mtp_checkpoints import permutation_chain
 
     _, perm = model
     prompts = _prompts(seed=12)

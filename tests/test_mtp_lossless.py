@@ -33,8 +33,8 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
-    from vllm_dsv4_mtp.model.mtp_checkpoints import scale_head
+    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
+    from vllm_dsv4_mtp.testing.mtp_checkpoints import scale_head
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
     d = build_tiny_checkpoint(tmp_path_factory.mktemp("mtp-lossless") / "ckpt", seed=2)
@@ -100,7 +100,7 @@ def test_chunked_prefill_with_mtp_follows_the_target(ckpt):
     HF's float32 argmax over the whole sequence (the target's function, teacher-forced)."""
     from vllm import LLM, SamplingParams
 
-    from vllm_dsv4_mtp.model.hf_oracle import greedy_agreement, load_hf_model
+    from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement, load_hf_model
     from vllm_dsv4_mtp.model.mtp_bench import spec_decode_from_llm
 
     old = os.environ.get("VLLM_MLA_DISABLE")

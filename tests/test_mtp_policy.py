@@ -82,7 +82,7 @@ def test_declared_precisions_of_quark_and_official_configs():
 
 def test_cpu_expand_kernel_replacement():
     """The replacement for vLLM's broken CPU expand kernel (vllm-project/vllm#55005) expands per request."""
-    from vllm_dsv4_mtp.model.mtp_cpu_sampler import expand_kernel_impl
+    from vllm_dsv4_mtp.workarounds.cpu_expand_kernel import expand_kernel_impl
 
     for x in (torch.tensor([0.7, 0.0, 1.3]), torch.tensor([5, 0, 2], dtype=torch.int32)):
         out = torch.full((6,), -9, dtype=x.dtype)
@@ -254,8 +254,9 @@ def test_missing_or_misshaped_mtp_tensor_is_named(vllm_dist, ckpts):
 
 def test_num_nextn_predict_layers_zero_fails_in_vllm(tmp_path):
     """vLLM 0.32 itself rejects ``{"method": "mtp", "num_speculative_tokens": K}`` on a config with
-    ``num_nextn_predict_layers: 0`` before any plugin code runs (``SpeculativeConfig`` computes ``K % 0``): an
-    error, if not a clear one; the plugin cannot intercept it without patching vLLM. Without K, vLLM asks for
+    ``num_nextn_predict_layers: 0`` before any of the plugin's model code runs (``SpeculativeConfig`` computes
+    ``K % 0``): an error, if not a clear one. The plugin's ``--config-format dsv4_mtp`` parser names the field
+    first (tests/test_startup_checks.py); without it this is what vLLM prints. Without K, vLLM asks for
     ``num_speculative_tokens``. Either way speculation is never silently off."""
     from vllm.engine.arg_utils import EngineArgs
 

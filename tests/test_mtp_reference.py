@@ -40,7 +40,7 @@ def _drafter(llm):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
+    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
 
     # 64 indexer heads: no exact ties of the C4 indexer's scores (as in test_model_engine)
@@ -90,7 +90,7 @@ def run(ckpt):
 
 @pytest.fixture(scope="module")
 def oracles(ckpt):
-    from vllm_dsv4_mtp.model.hf_oracle import load_hf_model
+    from vllm_dsv4_mtp.testing.hf_oracle import load_hf_model
     from vllm_dsv4_mtp.reference.mtp import ReferenceMTP
 
     return load_hf_model(ckpt), ReferenceMTP.from_checkpoint(ckpt)

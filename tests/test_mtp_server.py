@@ -34,8 +34,8 @@ START_TIMEOUT_S = 300
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
-    from vllm_dsv4_mtp.model.mtp_checkpoints import scale_head
+    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
+    from vllm_dsv4_mtp.testing.mtp_checkpoints import scale_head
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
 
     d = build_tiny_checkpoint(tmp_path_factory.mktemp("mtp-server") / "bf16", tiny_config(index_n_heads=64), seed=4)
@@ -103,13 +103,13 @@ def _complete(url, prompt, **kw):
 def test_the_plugin_draft_serves_mtp(server):
     _, log = server
     text = log.read_text()
-    assert "DeepSeek-V4 MTP draft served by the plugin's vllm_dsv4_mtp.model.mtp.DeepSeekV4MTPModel" in text
+    assert "DeepSeek-V4 MTP draft served by the plugin's portable vllm_dsv4_mtp.model.mtp.DeepSeekV4MTPModel" in text
     assert "Shared target model lm_head with MTP shared_head.head." in text
 
 
 def test_concurrent_requests_lossless_and_counted(server, ckpt):
     """8 greedy requests and 4 sampled ones at once; greedy tokens == HF's full-sequence argmax at every step."""
-    from vllm_dsv4_mtp.model.hf_oracle import hf_logprobs, load_hf_model
+    from vllm_dsv4_mtp.testing.hf_oracle import hf_logprobs, load_hf_model
     from vllm_dsv4_mtp.serve.metrics import scrape
 
     url, _ = server

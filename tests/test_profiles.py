@@ -99,3 +99,78 @@ def test_negated_flags_are_vllm_boolean_pairs(vllm_parser):
     for opt, action in actions.items():
         if opt.startswith("--no-"):
             assert actions.get("--" + opt[5:]) is action, opt
+
+
+#: What `dsv4-mtp serve --profile mi355x-pro-tp8 amd/DeepSeek-V4-Pro-MXFP4 --dry-run` must print as its command,
+#: exactly, in a clean environment: only the switches vLLM's in-tree ROCm target reads (no VLLM_DSV4_MTP_*:
+#: quantized MTP tensors are decoded to BF16 by default), then vLLM's own server module.
+PRO_TP8_COMMAND = """\
+VLLM_ROCM_USE_AITER=1 \\
+VLLM_ROCM_USE_AITER_MOE=1 \\
+VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1 \\
+{python} -m vllm.entrypoints.launchers.api_server.entry \\
+  --model amd/DeepSeek-V4-Pro-MXFP4 \\
+  --tensor-parallel-size 8 \\
+  --gpu-memory-utilization 0.85 \\
+  --max-num-seqs 256 \\
+  --max-num-batched-tokens 8192 \\
+  --kv-cache-dtype fp8 \\
+  --block-size 256 \\
+  --speculative-config '{{"method":"mtp","num_speculative_tokens":2}}' \\
+  --moe-backend aiter \\
+  --compilation-config '{{"mode":3,"cudagraph_mode":"FULL_AND_PIECEWISE"}}' \\
+  --tokenizer-mode deepseek_v4 \\
+  --config-format dsv4_mtp \\
+  --reasoning-parser deepseek_v4 \\
+  --trust-remote-code \\
+  --host 0.0.0.0 \\
+  --port 8000"""
+
+
+def _printed_command(out: str) -> str:
+    """The shell command of a dry run's output: from the first line that is not a comment to the first line
+    that does not continue."""
+    lines = out.splitlines()
+    i = next(k for k, x in enumerate(lines) if not x.startswith("#"))
+    j = next(k for k in range(i, len(lines)) if not lines[k].endswith("\\"))
+    return "\n".join(lines[i:j + 1])
+
+
+def test_printed_pro_tp8_command_passes_vllms_parser(vllm_parser, monkeypatch, capsys, tmp_path):
+    """The command `dsv4-mtp serve --profile mi355x-pro-tp8 amd/DeepSeek-V4-Pro-MXFP4 --dry-run` prints is exactly
+    the one above; split as a shell splits it, its assignments are vLLM environment variables and nothing else,
+    and its arguments pass vLLM's own server parser with the values the profile means."""
+    import shlex
+    import sys
+
+    import vllm.envs
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    from vllm_dsv4_mtp.serve import cli
+
+    for key in list(cli.os.environ):
+        if key.startswith(("VLLM_", "HF_")):
+            monkeypatch.delenv(key)
+    assert cli.run(["--profile", "mi355x-pro-tp8", "amd/DeepSeek-V4-Pro-MXFP4", "--dry-run"]) == 0
+    line = _printed_command(capsys.readouterr().out)
+    assert line == PRO_TP8_COMMAND.format(python=sys.executable)
+    words = shlex.split(line.replace("\\\n", " "))  # a backslash-newline continues the line, as in a shell
+    env = dict(w.split("=", 1) for w in words[:3])
+    assert env == {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MOE": "1",
+                   "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}
+    assert set(env) <= set(vllm.envs.environment_variables)
+    assert words[3:6] == [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
+    ns = vllm_parser.parse_args(words[6:])
+    validate_parsed_serve_args(ns)
+    assert ns.model == "amd/DeepSeek-V4-Pro-MXFP4"
+    ns.model = str(tmp_path)  # EngineArgs would resolve the hub id (offline here); nothing is loaded anyway
+    ea = AsyncEngineArgs.from_cli_args(ns)
+    assert ea.tensor_parallel_size == 8
+    assert ea.gpu_memory_utilization == 0.85 and ea.max_num_seqs == 256 and ea.max_num_batched_tokens == 8192
+    assert ea.kv_cache_dtype == "fp8" and ea.block_size == 256 and ea.moe_backend == "aiter"
+    assert ea.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    assert ea.tokenizer_mode == "deepseek_v4" and ns.reasoning_parser == "deepseek_v4" and ea.trust_remote_code
+    assert int(ea.compilation_config.mode) == 3
+    assert str(ea.compilation_config.cudagraph_mode).endswith("FULL_AND_PIECEWISE")
+    assert ns.host == "0.0.0.0" and ns.port == 8000

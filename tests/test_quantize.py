@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant.quantize import QuantizeError, quantize_checkpoint
+from vllm_dsv4_mtp.quant.quantize import QuantizeError, quantize_checkpoint
 from vllm_dsv4_mtp.formats import fp8, mxfp4
 from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
 from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig
-from vllm_dsv4_mtp.tools.inspect import inspect_checkpoint
+from vllm_dsv4_mtp.tools.inspect_checkpoint import inspect_checkpoint
 from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -148,7 +148,7 @@ def test_experts_decode_to_quark_fake_quant(quark, bf16_src, bf16_out):
 def test_identical_to_amd_quarks_own_file_to_file_flow(quark, bf16_src, bf16_out, work):
     """quant.quark_flow runs Quark's direct_quantize_checkpoint (CPU works for BF16 sources): same tensors, same
     bytes, same quantization_config, same everything else in config.json."""
-    from quant.quark_flow import run_quark_flow
+    from vllm_dsv4_mtp.quant.quark_flow import run_quark_flow
 
     quark_out = run_quark_flow(bf16_src, work / "quark-f2f", device="cpu", shared_experts="keep")
     ours, theirs = CheckpointReader(bf16_out), CheckpointReader(quark_out)
@@ -235,7 +235,7 @@ def test_official_fp8_layers_kept_and_mtp_decoded(official_src, official_out):
 def test_official_config_matches_quarks_exclude_aware_builder(quark, official_src, official_out):
     """For the main layers, Quark's own keep-as-in-source config builder gives the same exclude list and the same
     FP8 layer entries; the MTP layer differs by design (Quark keeps it FP8/FP4, we decode it to BF16)."""
-    from quant.quark_flow import quark_exclude
+    from vllm_dsv4_mtp.quant.quark_flow import quark_exclude
 
     qc = quark.LLMTemplate.get("deepseek_v4").get_config(scheme="mxfp4", exclude_layers=quark_exclude("keep"))
     hf = json.loads((official_src / "config.json").read_text())
@@ -253,7 +253,7 @@ def test_official_config_matches_quarks_exclude_aware_builder(quark, official_sr
 
 
 def test_quark_flow_refuses_fp8_source_on_cpu(official_src, work):
-    from quant.quark_flow import run_quark_flow
+    from vllm_dsv4_mtp.quant.quark_flow import run_quark_flow
 
     with pytest.raises(QuantizeError, match=r"FP8 source on device 'cpu'.*writes nothing"):
         run_quark_flow(official_src, work / "never", device="cpu")
@@ -346,9 +346,9 @@ _MEASURE = r"""
 import json, re, sys
 import psutil, torch
 torch.set_num_threads(1)
-import quant.quantize, safetensors.torch, tqdm, vllm_dsv4_mtp.tools.inspect
+import vllm_dsv4_mtp.quant.quantize, safetensors.torch, tqdm, vllm_dsv4_mtp.tools.inspect_checkpoint
 base = psutil.Process().memory_info().rss
-r = quant.quantize.quantize_checkpoint(sys.argv[1], sys.argv[2], progress=False)
+r = vllm_dsv4_mtp.quant.quantize.quantize_checkpoint(sys.argv[1], sys.argv[2], progress=False)
 hwm = re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read())
 print(json.dumps({"base": base, "peak": int(hwm.group(1)) * 1024, "bytes_in": r.bytes_in,
                   "shards_in": r.shards_in}))
@@ -378,8 +378,8 @@ def test_peak_memory_is_bounded_by_a_shard(tmp_path):
 
 def test_cli_module_imports_no_torch():
     """`dsv4-mtp --help` must stay instant: the quantize sub-command's parser module does not import torch."""
-    code = "import sys, quant.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, vllm_dsv4_mtp.quant.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO))).returncode == 0
-    from quant.cli import parse_size
+    from vllm_dsv4_mtp.quant.cli import parse_size
 
     assert parse_size("5GB") == 5 * 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("1000") == 1000

@@ -191,3 +191,34 @@ def test_unsupported_vllm_is_refused_before_starting(monkeypatch, capsys, tmp_pa
     rc = cli.run(["--profile", "cpu-tiny", str(tmp_path)])
     assert rc == 2
     assert ("vllm 0.31.2 is installed, but vllm-dsv4-mtp supports vLLM >=0.32,<0.34" in capsys.readouterr().err)
+
+
+PRO_TP8_HEADER = [
+    "# dsv4-mtp serve --profile mi355x-pro-tp8: DeepSeek-V4-Pro MXFP4 on 8x MI355X (TP8): vLLM's in-tree target "
+    "with AITER, fp8 KV, the plugin's BF16 MTP draft K=2",
+    "# runs on MI355X (gfx950): target = vLLM's in-tree DeepseekV4ForCausalLM with AITER, at the checkpoint's own "
+    "quantization; draft = the plugin's BF16 MTP (DeepSeekV4MTPModel)",
+]
+
+
+def test_pro_tp8_dry_run_prints_a_command_that_needs_no_extra_environment(monkeypatch, capsys):
+    for key in list(cli.os.environ):
+        if key.startswith(("VLLM_", "HF_")):
+            monkeypatch.delenv(key)
+    assert cli.run(["--profile", "mi355x-pro-tp8", "amd/DeepSeek-V4-Pro-MXFP4", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[:2] == PRO_TP8_HEADER  # what runs where (the exact command: tests/test_profiles.py)
+    assert "VLLM_DSV4_MTP" not in out  # quantized MTP tensors are decoded to BF16 by default: nothing to set
+    # and the environment the server would get is the caller's plus exactly those three switches
+    cmd = build_command(get_profile("mi355x-pro-tp8"), "amd/DeepSeek-V4-Pro-MXFP4", [], environ={"PATH": "/bin"})
+    assert cmd.env == {"PATH": "/bin", "VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MOE": "1",
+                       "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}
+
+
+def test_what_runs_follows_the_profile_and_the_speculative_config():
+    flash = build_command(get_profile("mi355x-flash-tp4"), None, ["--speculative-config", "null"], environ={})
+    assert flash.what_runs() == ("on MI355X (gfx950): target = vLLM's in-tree DeepseekV4ForCausalLM with AITER, at "
+                                 "the checkpoint's own quantization; draft = none (no MTP speculative config)")
+    tiny = build_command(get_profile("cpu-tiny"), "/m", [], environ={})
+    assert tiny.what_runs() == ("on CPU: target = the plugin's portable DeepseekV4ForCausalLM (weights decoded to "
+                                "the model dtype at load); draft = the plugin's BF16 MTP (DeepSeekV4MTPModel)")

@@ -37,7 +37,7 @@ def tiny_model(tmp_path_factory) -> str:
         return str(MXFP4_CHECKPOINT_DIR)
     out = tmp_path_factory.mktemp("tiny") / "ckpt"
     if (BF16_CHECKPOINT_DIR / "config.json").is_file():
-        from quant.quantize import quantize_checkpoint
+        from vllm_dsv4_mtp.quant.quantize import quantize_checkpoint
 
         quantize_checkpoint(BF16_CHECKPOINT_DIR, out, progress=False)
         return str(out)

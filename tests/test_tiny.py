@@ -180,3 +180,31 @@ def test_build_tiny_cli(tmp_path, capsys):
     assert spec.compress_ratios == (0, 4, 8, 0)
     n = parameter_count(s.shape for s in weight_slots(spec).values())
     assert out.startswith(f"wrote {tmp_path / 't'}: ") and f"{n:,} parameters" in out
+
+
+def test_build_tiny_refuses_a_vocabulary_too_large_before_writing(tmp_path, capsys):
+    """The tiny tokenizer's built-in text yields at most 1214 BPE tokens: a larger vocab_size is refused before any
+    weight is written (it used to write the weights, then fail, leaving a directory without a tokenizer)."""
+    from vllm_dsv4_mtp.cli import main
+
+    rc = main(["build-tiny", str(tmp_path / "t"), "--config", '{"vocab_size": 129280, "hidden_size": 1024}'])
+    assert rc == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "dsv4-mtp build-tiny: error: vocab_size 129280 is too large for the tiny tokenizer: its built-in text yields "
+        "only 1214 BPE tokens (choose vocab_size <= 1214)"]
+    assert not (tmp_path / "t").exists()
+    assert main(["build-tiny", str(tmp_path / "t"), "--config", '{"vocab_size": 1214}']) == 0
+    assert (tmp_path / "t" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("config,message", [
+    ('{"hidden_size": -128}', "tiny_config(): field 'hidden_size' must be > 0, got -128"),
+    ('{"hidden_size": ', "Expecting value: line 1 column 17 (char 16)"),
+    ('[1]', "--config must be a JSON object of config.json fields, got '[1]'"),
+])
+def test_build_tiny_bad_config_is_one_line(tmp_path, capsys, config, message):
+    from vllm_dsv4_mtp.cli import main
+
+    assert main(["build-tiny", str(tmp_path / "t"), "--config", config]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"dsv4-mtp build-tiny: error: {message}"]
+    assert not (tmp_path / "t").exists()

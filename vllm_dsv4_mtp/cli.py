@@ -13,7 +13,7 @@ import sys
 # sub-command name -> module that implements it
 COMMANDS: dict[str, str] = {
     "inspect": "vllm_dsv4_mtp.tools.inspect_cmd",
-    "quantize": "quant.cli",
+    "quantize": "vllm_dsv4_mtp.quant.cli",
     "build-tiny": "vllm_dsv4_mtp.tools.tiny_cmd",
     "serve": "vllm_dsv4_mtp.serve.cli",
     "metrics": "vllm_dsv4_mtp.serve.metrics",

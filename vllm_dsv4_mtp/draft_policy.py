@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from vllm_dsv4_mtp.config import DeepseekV4Spec, weight_slots
+from vllm_dsv4_mtp.config import DeepseekV4Spec, spec_from_hf_config, weight_slots
 
 QUANTIZED_MTP_ENV = "VLLM_DSV4_MTP_QUANTIZED_MTP"
 REFUSE = "refuse"
@@ -132,7 +132,7 @@ class DraftPlan:
 def check_draft(hf_config: Any, model: str, dtype: torch.dtype, environ: Mapping[str, str] | None = None
                 ) -> DraftPlan:
     """The draft's start-up checks, in order (module docstring); ``model`` is the checkpoint path or id."""
-    spec = DeepseekV4Spec.from_hf_config(hf_config)
+    spec = spec_from_hf_config(hf_config)
     source = str(model)
     if spec.num_nextn_predict_layers < 1:
         raise MtpMissingError(

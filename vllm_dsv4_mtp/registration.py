@@ -75,6 +75,9 @@ def register_models() -> bool:
         what = "portable DeepSeek-V4 target and BF16 MTP draft"
     else:
         what = "vLLM's in-tree DeepSeek-V4 target (AITER) + the plugin's BF16 MTP draft"
+    from vllm_dsv4_mtp.startup_checks import register_config_format
+
+    register_config_format()  # --config-format dsv4_mtp: config.json checked before vLLM's SpeculativeConfig
     _registered = True
     log.info("vllm-dsv4-mtp plugin (%s): %s; %s (set %s=1 to use vLLM's own classes only)", impl, what,
              ", ".join(f"{a} -> {r}" for a, r in models.items()), DISABLE_ENV)

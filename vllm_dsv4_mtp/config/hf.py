@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_dsv4_mtp.config.spec import LAYER_TYPE_NAMES, ConfigError
+from vllm_dsv4_mtp.config.spec import LAYER_TYPE_NAMES, ConfigError, DeepseekV4Spec
+
+
+def spec_from_hf_config(hf_config: Any) -> DeepseekV4Spec:
+    """The validated spec of the config object vLLM hands a model (vLLM 0.32's or transformers')."""
+    d, source = spec_dict_from_hf_config(hf_config)
+    return DeepseekV4Spec.from_dict(d, source=source)
 
 
 def spec_dict_from_hf_config(hf_config: Any) -> tuple[dict[str, Any], str]:

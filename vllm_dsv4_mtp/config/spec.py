@@ -206,15 +206,6 @@ class DeepseekV4Spec:
         return spec
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any) -> "DeepseekV4Spec":
-        """The spec of the config object vLLM hands a model (vLLM 0.32's or transformers'); see
-        :func:`vllm_dsv4_mtp.config.hf.spec_dict_from_hf_config`."""
-        from vllm_dsv4_mtp.config.hf import spec_dict_from_hf_config
-
-        d, source = spec_dict_from_hf_config(hf_config)
-        return cls.from_dict(d, source=source)
-
-    @classmethod
     def from_dir(cls, path: str | Path) -> "DeepseekV4Spec":
         """Read ``<path>/config.json`` (or ``path`` itself when it is a file)."""
         p = Path(path)

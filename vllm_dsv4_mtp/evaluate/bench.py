@@ -422,7 +422,7 @@ def run_stepcost(model: str, k: int, max_tokens: int, num_fewshot: int, out: Pat
 
 def run(args: argparse.Namespace) -> int:
     from .client import NotLoopbackError, require_loopback
-    from .common import embedded_models, fewshot_examples, load_problems, mtp_draft_registered, prompt_for
+    from .common import embedded_models, fewshot_examples, load_problems, prompt_for
     from .server import ManagedServer, ServerSpec, served_model_name, spec_label
 
     argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "bench" else []
@@ -444,16 +444,13 @@ def run(args: argparse.Namespace) -> int:
                           "pass --model DIR", file=sys.stderr)
                     return 2
                 model = str(models.get("MXFP4") or models["BF16"])
-            if not mtp_draft_registered():
-                print("dsv4-mtp bench: note: the plugin registers no MTP draft (DeepSeekV4MTPModel) yet; "
-                      "measuring MTP off only", file=sys.stderr)
-            ks = [None] + ([args.mtp_k] if mtp_draft_registered() else [])
+            ks = [None, args.mtp_k]
             for k in ks:
                 spec = ServerSpec(model=model, mtp_k=k, profile=args.profile,
                                   extra_args=["--max-num-seqs", str(max(levels))])
                 with ManagedServer(spec, log_path=args.out / f"server-{'off' if k is None else f'k{k}'}.log") as srv:
-                    r = sweep(srv.base_url, spec.served_model_name, prompts, levels, max_tokens=args.max_tokens,
-                              num_requests=args.num_requests, label=spec_label(k), mtp_k=k)
+                    r = sweep(srv.base_url, served_model_name(srv.base_url), prompts, levels,
+                              max_tokens=args.max_tokens, num_requests=args.num_requests, label=spec_label(k), mtp_k=k)
                     r.startup_s = round(srv.startup_s, 1)
                     runs.append(r)
         else:

@@ -19,13 +19,6 @@ def has_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def mtp_draft_registered() -> bool:
-    """True once the plugin registers its BF16 MTP draft under vLLM's DeepSeek-V4 draft name."""
-    from vllm_dsv4_mtp.registration import DRAFT_MODELS
-
-    return "DeepSeekV4MTPModel" in DRAFT_MODELS
-
-
 def embedded_models() -> dict[str, Path]:
     """The shipped checkpoints that exist: ``{"BF16": dir, "MXFP4": dir}`` (either may be missing)."""
     return {name: p for name, p in (("BF16", BF16_CHECKPOINT_DIR), ("MXFP4", MXFP4_CHECKPOINT_DIR))

@@ -4,8 +4,12 @@ plugin and its BF16 MTP draft (K = 2), answering held-out problems.
 It serves the model through ``dsv4-mtp serve --profile cpu-tiny`` (MTP K=2), asks a handful of held-out
 problems one at a time (greedy, stop at the blank line that ends an answer), and prints each answer, whether
 its ``#### N`` is right, the acceptance length of that request (from the server's ``/metrics``) and its
-decode speed; then serves the same model with MTP off, asks the same problems, and prints tokens/s with and
+speed; then serves the same model with MTP off, asks the same problems, and prints tokens/s with and
 without MTP and whether the answers are identical (greedy speculative decoding must not change them).
+
+Both runs are measured the same way: decode tokens/s = answer tokens after the first / the engine's
+first-to-last-token time (:mod:`.engine_clock`), end-to-end tokens/s = answer tokens / the client's
+request-to-last-chunk time, each a ratio of sums over the run.
 
 What it runs falls back, saying so, while parts of the project are missing: the BF16 embedded checkpoint
 when the MXFP4 one has not been built, a random tiny checkpoint when no embedded one exists, MTP off when the
@@ -27,12 +31,45 @@ STOP = ["\n\n"]  # lm-eval's few-shot delimiter: the embedded model ends every a
 
 @dataclass
 class Answer:
+    """One answer, timed on two clocks: ``e2e_s`` on the client's (request sent -> last chunk read) and
+    ``decode_s`` on the engine's (first -> last generated token, :mod:`.engine_clock`)."""
+
     text: str
     correct: bool
-    output_tokens: int
-    latency_s: float
-    decode_tok_s: float | None
+    output_tokens: int  # tokens in the answer the client got (usage.completion_tokens)
+    e2e_s: float
+    decode_s: float
     acceptance_length: float | None
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Tokens after the first per second of engine decode time (None for a one-token answer)."""
+        return (self.output_tokens - 1) / self.decode_s if self.output_tokens > 1 and self.decode_s > 0 else None
+
+
+@dataclass
+class RunSummary:
+    """One server's answers, each rate a ratio of sums (one slow or one bursty answer cannot dominate)."""
+
+    right: int
+    n: int
+    output_tokens: int
+    decode_tok_s: float | None  # sum(tokens - 1) / sum(engine decode time)
+    e2e_mean_s: float  # client clock
+    e2e_tok_s: float  # sum(tokens) / sum(client e2e time)
+    acceptance_length: float | None
+
+
+def summarize(answers: list[Answer]) -> RunSummary:
+    decode_s = sum(a.decode_s for a in answers)
+    after_first = sum(max(a.output_tokens - 1, 0) for a in answers)
+    e2e = sum(a.e2e_s for a in answers)
+    tokens = sum(a.output_tokens for a in answers)
+    als = [a.acceptance_length for a in answers if a.acceptance_length is not None]
+    return RunSummary(right=sum(a.correct for a in answers), n=len(answers), output_tokens=tokens,
+                      decode_tok_s=after_first / decode_s if decode_s > 0 else None,
+                      e2e_mean_s=e2e / len(answers), e2e_tok_s=tokens / e2e,
+                      acceptance_length=statistics.fmean(als) if als else None)
 
 
 def choose_model(model: str | None, notes: list[str]) -> tuple[str, str]:
@@ -59,25 +96,23 @@ def choose_model(model: str | None, notes: list[str]) -> tuple[str, str]:
 
 
 def ask_all(base_url: str, model: str, problems: list[dict], prompts: list[str], max_tokens: int) -> list[Answer]:
-    """Each problem alone (concurrency 1), so the ``/metrics`` delta around a request is that request's."""
-    from vllm_dsv4_mtp.serve.metrics import scrape
-
+    """Each problem alone (concurrency 1), so the ``/metrics`` growth around a request is that request's."""
     from .client import complete
     from .common import is_correct
-    from .server import server_root
+    from .engine_clock import snapshot, wait_finished
 
+    before = snapshot(base_url)
     complete(base_url, model, prompts[0], max_tokens=4)  # warm-up: a server's first request is slow
+    before = wait_finished(base_url, before)
     out = []
     for p, prompt in zip(problems, prompts):
-        before = scrape(server_root(base_url))
         c = complete(base_url, model, prompt, max_tokens=max_tokens, temperature=0.0, stop=STOP, stream=True)
-        after = scrape(server_root(base_url))
-        al = None
-        if before is not None and after is not None:
-            al = after.since(before).mean_acceptance_length
-        tpot = c.tpot_s
+        after = wait_finished(base_url, before)
+        spec = after.spec.since(before.spec) if after.spec is not None and before.spec is not None else None
         out.append(Answer(c.text, is_correct(c.text, p), c.output_tokens, c.latency_s,
-                          None if not tpot else 1.0 / tpot, al))
+                          after.totals.since(before.totals).decode_s,
+                          spec.mean_acceptance_length if spec is not None else None))
+        before = after
     return out
 
 
@@ -92,6 +127,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the MTP-off run (no tokens/s comparison)")
     p.add_argument("--profile", default="cpu-tiny", help="dsv4-mtp serve profile (default cpu-tiny)")
     p.add_argument("--log-dir", type=Path, default=None, help="where the server logs go (default: a temp dir)")
+    p.add_argument("--start-timeout", type=float, default=600.0,
+                   help="seconds to wait for each server's /health (default 600)")
     p.set_defaults(func=run)
     return p
 
@@ -103,16 +140,13 @@ def _fmt(x: float | None, fmt: str = "{:.1f}") -> str:
 def run(args: argparse.Namespace) -> int:
     from vllm_dsv4_mtp.embedded import data as gsm
 
-    from .common import fewshot_examples, load_problems, mtp_draft_registered, prompt_for
-    from .server import ManagedServer, ServerSpec, ServerStartError, spec_label
+    from .common import fewshot_examples, load_problems, prompt_for
+    from .engine_clock import EngineClockError
+    from .server import ManagedServer, ServerSpec, ServerStartError, served_model_name, spec_label
 
     notes: list[str] = []
     model, described = choose_model(args.model, notes)
     k: int | None = args.mtp_k
-    if not mtp_draft_registered():
-        notes.append("the plugin registers no MTP draft yet (MTP engineer: DeepSeekV4MTPModel in "
-                     "vllm_dsv4_mtp/registration.py DRAFT_MODELS): serving with MTP OFF, no acceptance length")
-        k = None
     problems = load_problems(limit=args.num_problems)
     fewshot = fewshot_examples(args.num_fewshot)
     prompts = [prompt_for(p, fewshot) for p in problems]
@@ -133,9 +167,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n== {label}: starting the server (vLLM engine start takes a minute on CPU) ...", flush=True)
             t0 = time.perf_counter()
             with ManagedServer(spec, log_path=log_dir / f"server-{'off' if kk is None else f'k{kk}'}.log",
-                               quiet=True) as srv:
+                               start_timeout_s=args.start_timeout, quiet=True) as srv:
                 print(f"   ready after {time.perf_counter() - t0:.0f} s on {srv.base_url}", flush=True)
-                answers = ask_all(srv.base_url, spec.served_model_name, problems, prompts, args.max_tokens)
+                answers = ask_all(srv.base_url, served_model_name(srv.base_url), problems, prompts,
+                                  args.max_tokens)
             runs[label] = answers
             if kk == k:  # the main run: show every answer
                 for i, (p, a) in enumerate(zip(problems, answers), 1):
@@ -144,32 +179,38 @@ def run(args: argparse.Namespace) -> int:
                     print("    A: " + a.text.strip().replace("\n", "\n       "))
                     print(f"    -> {got if got is not None else '(no #### answer)'}: "
                           f"{'RIGHT' if a.correct else 'WRONG'} (expected {want}) | acceptance length "
-                          f"{_fmt(a.acceptance_length, '{:.2f}')} | {a.output_tokens} tokens, "
-                          f"{_fmt(a.decode_tok_s)} tok/s", flush=True)
-    except ServerStartError as e:
+                          f"{_fmt(a.acceptance_length, '{:.2f}')} | {a.output_tokens} tokens, decode "
+                          f"{_fmt(a.decode_tok_s)} tok/s, {a.e2e_s:.2f} s end to end", flush=True)
+    except (ServerStartError, EngineClockError) as e:
         print(f"dsv4-mtp demo: error: {e}", file=sys.stderr)
         return 1
-
-    main = runs[spec_label(k)]
-    right = sum(a.correct for a in main)
-    print(f"\n== summary ({described})")
-    print(f"   right: {right}/{len(main)}")
-    header = "   | run | right | mean acceptance length | decode tok/s (mean) | e2e s (mean) |"
-    print(header + "\n   |---|---:|---:|---:|---:|")
-    speeds = {}
-    for label, answers in runs.items():
-        als = [a.acceptance_length for a in answers if a.acceptance_length is not None]
-        tps = [a.decode_tok_s for a in answers if a.decode_tok_s]
-        speeds[label] = statistics.fmean(tps) if tps else None
-        print(f"   | {label} | {sum(a.correct for a in answers)}/{len(answers)} | "
-              f"{_fmt(statistics.fmean(als) if als else None, '{:.2f}')} | {_fmt(speeds[label])} | "
-              f"{statistics.fmean(a.latency_s for a in answers):.2f} |")
-    if k is not None and "MTP off" in runs:
-        same = sum(a.text == b.text for a, b in zip(main, runs["MTP off"]))
-        on, off = speeds[spec_label(k)], speeds["MTP off"]
-        if on and off:
-            print(f"   tokens/s with MTP K={k}: {on:.1f}, without: {off:.1f} ({on / off:.2f}x)")
-        print(f"   answers identical with and without MTP: {same}/{len(main)}")
+    print_summary(described, runs, k)
     for n in notes:
         print(f"   WAITING: {n}")
     return 0
+
+
+def print_summary(described: str, runs: dict[str, list[Answer]], k: int | None) -> None:
+    """The table (one row per server) and, with a baseline, the speedup on both clocks and answer identity."""
+    from .server import spec_label
+
+    sums = {label: summarize(answers) for label, answers in runs.items()}
+    main = sums[spec_label(k)]
+    print(f"\n== summary ({described})")
+    print(f"   right: {main.right}/{main.n}")
+    print("   | run | right | mean acceptance length | answer tokens | decode tok/s (engine clock) "
+          "| e2e s (mean) | e2e tok/s |\n   |---|---:|---:|---:|---:|---:|---:|")
+    for label, r in sums.items():
+        print(f"   | {label} | {r.right}/{r.n} | {_fmt(r.acceptance_length, '{:.2f}')} | {r.output_tokens} | "
+              f"{_fmt(r.decode_tok_s)} | {r.e2e_mean_s:.2f} | {r.e2e_tok_s:.1f} |")
+    print("   decode tok/s: answer tokens after the first / the engine's first-to-last-token time (vLLM's "
+          "request_decode_time_seconds); e2e: this client's clock, request sent to last chunk read")
+    if k is None or "MTP off" not in runs:
+        return
+    on, off = main, sums["MTP off"]
+    if on.decode_tok_s and off.decode_tok_s:
+        print(f"   MTP K={k} vs MTP off: decode {on.decode_tok_s:.1f} vs {off.decode_tok_s:.1f} tokens/s "
+              f"({on.decode_tok_s / off.decode_tok_s:.2f}x); end to end {on.e2e_tok_s:.1f} vs {off.e2e_tok_s:.1f} "
+              f"tokens/s ({on.e2e_tok_s / off.e2e_tok_s:.2f}x, mean {off.e2e_mean_s:.2f} s -> {on.e2e_mean_s:.2f} s)")
+    same = sum(a.text == b.text for a, b in zip(runs[spec_label(k)], runs["MTP off"]))
+    print(f"   answers identical with and without MTP: {same}/{main.n}")

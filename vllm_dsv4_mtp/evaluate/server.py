@@ -32,6 +32,10 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message ends with the tail of its log."""
 
 
+class ServerNotReadyError(ServerStartError):
+    """A server given by URL did not answer ``/health`` with 200 in the time allowed."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
@@ -44,20 +48,24 @@ def spec_label(mtp_k: int | None) -> str:
 
 @dataclass
 class ServerSpec:
-    """What to serve: a checkpoint directory, MTP off (None) or K draft tokens, and extra vLLM flags."""
+    """What to serve: a checkpoint directory, MTP off (None) or K draft tokens, and extra vLLM flags.
+
+    ``served_model_name=None`` keeps the profile's (``cpu-tiny``: ``dsv4-tiny``; the MI355X profiles: the
+    model id); read the name a server answers to with :func:`served_model_name`.
+    """
 
     model: str
     mtp_k: int | None = None
     profile: str = "cpu-tiny"
-    served_model_name: str = "dsv4-tiny"
+    served_model_name: str | None = None
     extra_args: list[str] = field(default_factory=list)
 
     def serve_argv(self, port: int) -> list[str]:
         spec = (["--speculative-config", "null"] if self.mtp_k is None
                 else ["--speculative-config.num_speculative_tokens", str(self.mtp_k)])
+        name = [] if self.served_model_name is None else ["--served-model-name", self.served_model_name]
         return [sys.executable, "-m", "vllm_dsv4_mtp.serve.cli", "--profile", self.profile, str(self.model),
-                "--host", LOOPBACK, "--port", str(port), "--served-model-name", self.served_model_name,
-                *spec, *self.extra_args]
+                "--host", LOOPBACK, "--port", str(port), *name, *spec, *self.extra_args]
 
 
 class ManagedServer:
@@ -150,6 +158,30 @@ class ManagedServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def wait_healthy(base_url: str, timeout_s: float = 0.0, poll_s: float = 2.0) -> None:
+    """Return once ``GET /health`` answers 200; try once (``timeout_s=0``) or keep trying for ``timeout_s``
+    seconds (a server still loading its model), saying every minute that it is waiting."""
+    url = server_root(base_url) + "/health"
+    t0 = time.monotonic()
+    said = t0
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                if r.status == 200:
+                    return
+                last = f"HTTP {r.status}"
+        except (OSError, urllib.error.URLError) as e:
+            last = str(e)
+        now = time.monotonic()
+        if now - t0 >= timeout_s:
+            waited = f" after waiting {timeout_s:.0f} s" if timeout_s else ""
+            raise ServerNotReadyError(f"cannot reach {url}{waited}: {last}")
+        if now - said >= 60:
+            print(f"# waiting for {url} ({now - t0:.0f} of {timeout_s:.0f} s): {last}", file=sys.stderr, flush=True)
+            said = now
+        time.sleep(poll_s)
 
 
 def served_model_name(base_url: str, timeout: float = 10.0) -> str:

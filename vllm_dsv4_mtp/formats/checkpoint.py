@@ -5,7 +5,7 @@ headers alone, without touching the data; loads one tensor (:meth:`~CheckpointRe
 (:meth:`~CheckpointReader.iter_shards`) or the raw bytes of a tensor for byte-for-byte copies
 (:meth:`~CheckpointReader.raw_buffer`). A malformed checkpoint is an error naming the file: a shard the index
 lists but that is missing, an index entry whose shard does not hold the tensor, a tensor stored twice, a
-truncated header.
+truncated or corrupt shard (headers: :mod:`vllm_dsv4_mtp.formats.shards`).
 
 :class:`CheckpointWriter` writes shards of at most ``max_shard_bytes`` (one tensor larger than that gets a
 shard of its own), ``model.safetensors.index.json``, ``config.json`` and copies tokenizer files.
@@ -18,13 +18,22 @@ FP8 block decoding lives in :mod:`vllm_dsv4_mtp.formats.fp8`.
 from __future__ import annotations
 
 import json
-import math
 import os
+import re
 import shutil
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+from vllm_dsv4_mtp.formats.shards import (  # re-exported: the header layer of this module
+    DTYPE_BYTES,
+    INDEX_FILE,
+    CheckpointError,
+    TensorInfo,
+    index_shards,
+    read_safetensors_header,
+    validate_shard_headers,
+    weight_files,
+)
 
 if TYPE_CHECKING:  # torch is imported lazily so that header-only tools stay light
     import torch
@@ -37,10 +46,11 @@ __all__ = [
     "INDEX_FILE",
     "DTYPE_BYTES",
     "read_safetensors_header",
+    "validate_shard_headers",
+    "weight_files",
     "TOKENIZER_FILES",
 ]
 
-INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Files that travel with a checkpoint besides the weights (copied by CheckpointWriter.copy_tokenizer_files).
 TOKENIZER_FILES = (
@@ -55,82 +65,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-
-# Bytes per element for each safetensors dtype ("F4" packs two elements per byte: its shape counts elements).
-DTYPE_BYTES: dict[str, float] = {
-    "F64": 8, "I64": 8, "U64": 8, "C64": 8,
-    "F32": 4, "I32": 4, "U32": 4,
-    "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-    "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1,
-    "I8": 1, "U8": 1, "BOOL": 1,
-    "F4": 0.5,
-}
-_MAX_HEADER = 100 * 2**20  # safetensors' own limit
-
-
-class CheckpointError(ValueError):
-    """A malformed checkpoint directory; the message names the file (and the tensor)."""
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives: its shard and absolute byte range there, plus dtype and shape."""
-
-    name: str
-    dtype: str  # safetensors dtype name
-    shape: tuple[int, ...]
-    file: Path
-    begin: int  # absolute byte offset of the data in ``file``
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-def read_safetensors_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse a safetensors header: ``({name: TensorInfo}, __metadata__)``, in data order. Reads only the header."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{path}: corrupt safetensors header (header length {n}, file size {size})")
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    meta = header.pop("__metadata__", None) or {}
-    data_start = 8 + n
-    out: dict[str, TensorInfo] = {}
-    for name, h in header.items():
-        try:
-            dtype, shape, (b, e) = h["dtype"], tuple(int(s) for s in h["shape"]), h["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt header entry for tensor '{name}': {h!r}") from None
-        if dtype not in DTYPE_BYTES:
-            raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}")
-        want = math.ceil(math.prod(shape) * DTYPE_BYTES[dtype])
-        if e - b != want or b < 0 or data_start + e > size:
-            raise CheckpointError(
-                f"{path}: tensor '{name}' ({dtype} {list(shape)}) has data_offsets [{b}, {e}] that do not fit "
-                f"its size ({want} bytes) or the file ({size - data_start} data bytes)")
-        out[name] = TensorInfo(name, dtype, shape, path, data_start + b, data_start + e)
-    return dict(sorted(out.items(), key=lambda kv: kv[1].begin)), meta
-
 
 class CheckpointReader:
     """A DeepSeek-V4 checkpoint directory, opened header-only.
@@ -175,23 +109,10 @@ class CheckpointReader:
         return infos
 
     def _load_indexed(self, index: Path) -> None:
-        try:
-            data = json.loads(index.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{index}: not valid JSON: {e}") from None
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: missing or empty 'weight_map'")
-        by_shard: dict[str, list[str]] = {}
-        for name, shard in weight_map.items():
-            if not isinstance(shard, str):
-                raise CheckpointError(f"{index}: weight_map entry for tensor '{name}' is not a file name: {shard!r}")
-            by_shard.setdefault(shard, []).append(name)
+        by_shard = index_shards(index)  # every listed shard exists, or the error names each missing one
+        weight_map = {n: shard for shard, names in by_shard.items() for n in names}
         for shard, names in by_shard.items():
             f = self.path / shard
-            if not f.is_file():
-                raise CheckpointError(f"{index}: shard '{shard}' (listed for {len(names)} tensors, e.g. "
-                                      f"'{names[0]}') does not exist")
             infos = self._add_shard(f)
             for name in names:
                 if name not in infos:
@@ -405,7 +326,14 @@ class CheckpointWriter:
         if not self._buf:
             return
         f = self.path / f".shard-{len(self._tmp_shards):05d}.safetensors.tmp"
-        save_file(self._buf, str(f), metadata={"format": "pt"})
+        try:
+            save_file(self._buf, str(f), metadata={"format": "pt"})
+        except Exception as e:  # safetensors' own error type names no file and hides the OS error number
+            f.unlink(missing_ok=True)
+            code = re.search(r"\(os error (\d+)\)", str(e))
+            if code:
+                raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(f)) from None
+            raise CheckpointError(f"{f}: writing the shard failed: {e}") from None
         self._tmp_shards.append((f, list(self._buf)))
         self._buf = {}
         self._buf_bytes = 0

@@ -1,1 +1,1 @@
-"""The plugin's DeepSeek-V4 model on vLLM's building blocks (one concept per file, see DESIGN.md)."""
+"""The plugin's DeepSeek-V4 model on vLLM's building blocks (one concept per file)."""

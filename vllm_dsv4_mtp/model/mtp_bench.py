@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if ckpt is None:
         import tempfile
 
-        from vllm_dsv4_mtp.model.mtp_checkpoints import make_permutation_model, scale_head
+        from vllm_dsv4_mtp.testing.mtp_checkpoints import make_permutation_model, scale_head
         from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
         ckpt = str(build_tiny_checkpoint(tempfile.mkdtemp(prefix="dsv4-mtp-bench-"), seed=0))
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             scale_head(ckpt, args.head_scale)
             if args.sharpen_routing:
-                from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
+                from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
 
                 sharpen_routing(ckpt)
     with open(f"{ckpt}/config.json") as f:

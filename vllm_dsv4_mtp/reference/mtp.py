@@ -1,8 +1,8 @@
-"""Float32 reference of DeepSeek-V4's MTP layer (dsv4-architecture.md §7), with vLLM's conventions (§7.3).
+"""Float32 reference of DeepSeek-V4's MTP layer (the MTP block of https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/inference/model.py), with vLLM's conventions.
 
 Written from the spec; the decoder block itself is transformers 5.19's public ``DeepseekV4DecoderLayer``
 configured as a sliding-window (SWA), bias-routed MoE layer, so the maths of attention / MoE / mHC is an
-oracle this project did not write. Used twice: as the MTP module trained in ``embedded/train.py`` and as
+oracle this project did not write. Used twice: as the MTP module trained in ``embedded/training/train.py`` and as
 the standalone oracle the plugin's draft model is compared with.
 
 One MTP step, for the token at position ``t`` (B = batch, T = tokens, hc = hc_mult, D = hidden)::

@@ -16,7 +16,9 @@ HELP = """\
 usage: dsv4-mtp serve --profile NAME [options] [MODEL] [vLLM flags...] [-- vLLM flags...]
        dsv4-mtp serve --list-profiles
 
-Serve DeepSeek-V4 (MXFP4 experts, BF16 MTP draft) with vLLM's OpenAI-compatible server.
+Serve DeepSeek-V4 with MTP speculative decoding through vLLM's OpenAI-compatible server. On MI355X the
+target is vLLM's in-tree DeepSeek-V4 with AITER and the draft is the plugin's BF16 MTP; on CPU both are the
+plugin's portable models.
 
 MODEL defaults to the profile's model. vLLM flags (after MODEL, or after --) replace the profile's flags of
 the same name; a dotted flag edits one key of a JSON flag, e.g.
@@ -122,15 +124,13 @@ def capacity_report(cmd, gpu_memory_gb: float | None = None):
 
     if cmd.profile.hardware is None:
         return None
-    spec = cmd.flag("speculative-config")
-    mtp = isinstance(spec, dict) and spec.get("method") in ("mtp", "deepseek_mtp")
     par = Parallelism(tp=int(cmd.flag("tensor-parallel-size", 1)), pp=int(cmd.flag("pipeline-parallel-size", 1)),
                       dp=int(cmd.flag("data-parallel-size", 1)),
                       expert_parallel=bool(cmd.flag("enable-expert-parallel", False)))
     return check_capacity(cmd.model, hardware=cmd.profile.hardware, par=par,
                           gpu_memory_utilization=float(cmd.flag("gpu-memory-utilization", 0.92)),
                           max_model_len=_int_tokens(cmd.flag("max-model-len")),
-                          kv_cache_dtype=str(cmd.flag("kv-cache-dtype", "auto")), mtp=mtp,
+                          kv_cache_dtype=str(cmd.flag("kv-cache-dtype", "auto")), mtp=cmd.mtp,
                           gpu_memory_gb=gpu_memory_gb)
 
 
@@ -139,8 +139,8 @@ def _missing_model_dir(cmd, o: _Options) -> str | None:
     path = Path(cmd.model).expanduser()
     if not (path.is_absolute() or cmd.model.startswith(".")) or path.is_dir():
         return None
-    hint = (" (the embedded tiny checkpoint has not been built yet: run `make demo`, or pass MODEL)"
-            if cmd.profile.model is None and o.model is None else "")
+    hint = (" (the embedded tiny checkpoints ship with the repository, not with the wheel: run `make demo` in a "
+            "clone, or pass MODEL)" if cmd.profile.model is None and o.model is None else "")
     return f"error: model directory {cmd.model} does not exist{hint}"
 
 
@@ -194,6 +194,7 @@ def run(argv: list[str]) -> int:
         pass  # no vLLM here: the printed command keeps the 0.32 module name
 
     print(f"# dsv4-mtp serve --profile {profile.name}: {profile.description}")
+    print(f"# runs {cmd.what_runs()}")
     if vllm_version:
         print(f"# vLLM {vllm_version}")
     print("# environment: profile defaults; the caller's environment and --env win (origin in brackets)")

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from vllm_dsv4_mtp.serve.profiles import Profile, default_model
+from vllm_dsv4_mtp import platform
+from vllm_dsv4_mtp.serve.profiles import HARDWARE, Profile, default_model
 
 #: vLLM 0.32's server entry (``python -m vllm.entrypoints.openai.api_server`` forwards to it with a
 #: DeprecationWarning); the deprecated path is used when the new one is absent.
@@ -197,6 +198,23 @@ class ServeCommand:
                     return not f.option.startswith("--no-")
                 return f.value
         return default
+
+    @property
+    def mtp(self) -> bool:
+        """Does the speculative config ask for the MTP draft (the plugin's ``DeepSeekV4MTPModel``)?"""
+        spec = self.flag("speculative-config")
+        return isinstance(spec, dict) and spec.get("method") in ("mtp", "deepseek_mtp")
+
+    def what_runs(self) -> str:
+        """Which model classes serve this command on the profile's hardware (the printed header says it)."""
+        hw = HARDWARE.get(self.profile.hardware) if self.profile.hardware else None
+        draft = "the plugin's BF16 MTP (DeepSeekV4MTPModel)" if self.mtp else "none (no MTP speculative config)"
+        if hw is not None and hw.implementation == platform.IN_TREE:
+            return (f"on {hw.name} (gfx950): target = vLLM's in-tree DeepseekV4ForCausalLM with AITER, at the "
+                    f"checkpoint's own quantization; draft = {draft}")
+        where = hw.name if hw is not None else "CPU"
+        return (f"on {where}: target = the plugin's portable DeepseekV4ForCausalLM (weights decoded to the model "
+                f"dtype at load); draft = {draft}")
 
     def shell(self) -> str:
         """The command as a copy-pasteable shell line: environment assignments, then the server command."""

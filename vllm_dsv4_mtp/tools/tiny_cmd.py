@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -30,10 +31,16 @@ def run(args: argparse.Namespace) -> int:
     from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
 
-    overrides = json.loads(args.config) if args.config else {}
-    cfg = tiny_config(**overrides)
-    out = build_tiny_checkpoint(args.out, cfg, seed=args.seed, experts=args.experts, linears=args.linears,
-                                mtp=not args.no_mtp)
+    try:
+        overrides = json.loads(args.config) if args.config else {}
+        if not isinstance(overrides, dict):
+            raise ValueError(f"--config must be a JSON object of config.json fields, got {args.config!r}")
+        cfg = tiny_config(**overrides)
+        out = build_tiny_checkpoint(args.out, cfg, seed=args.seed, experts=args.experts, linears=args.linears,
+                                    mtp=not args.no_mtp)
+    except ValueError as e:  # ConfigError and json.JSONDecodeError are ValueErrors; nothing was written
+        print(f"dsv4-mtp build-tiny: error: {e}", file=sys.stderr)
+        return 2
     r = CheckpointReader(out)
     spec = DeepseekV4Spec.from_dir(out)
     n = parameter_count(s.shape for s in weight_slots(spec, mtp=not args.no_mtp).values())

@@ -67,20 +67,22 @@ def train_tokenizer(vocab_size: int):
     )
     tok.train_from_iterator(builtin_text().splitlines(keepends=True), trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
-        raise ValueError(f"the built-in text yields only {tok.get_vocab_size()} BPE tokens; vocab_size "
-                         f"{vocab_size} is too large for the tiny tokenizer")
+        raise ValueError(f"vocab_size {vocab_size} is too large for the tiny tokenizer: its built-in text yields "
+                         f"only {tok.get_vocab_size()} BPE tokens (choose vocab_size <= {tok.get_vocab_size()})")
     # BOS is prepended to every encoded prompt, as DeepSeek's own tokenizer does.
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)])
     return tok
 
 
-def save_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int = 4096) -> list[Path]:
-    """Write ``tokenizer.json`` + ``tokenizer_config.json`` (+ special tokens map) into ``out_dir``."""
+def save_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int = 4096, tokenizer=None) -> list[Path]:
+    """Write ``tokenizer.json`` + ``tokenizer_config.json`` (+ special tokens map) into ``out_dir``.
+
+    ``tokenizer``: the result of :func:`train_tokenizer` for ``vocab_size`` when the caller already has it."""
     from transformers import PreTrainedTokenizerFast
 
     out_dir = Path(out_dir)
-    tok = train_tokenizer(vocab_size)
+    tok = tokenizer if tokenizer is not None else train_tokenizer(vocab_size)
     for i, s in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
     fast = PreTrainedTokenizerFast(

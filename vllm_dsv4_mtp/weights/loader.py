@@ -30,6 +30,8 @@ logger = init_logger("vllm.dsv4_mtp.weights")
 
 TARGET = "target"
 DRAFT = "draft"
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64",
+                       torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8"}
 
 # (native name, tensor) -> None, or raises: the draft's precision policy, asked before a quantized tensor is kept
 Admit = Callable[[str, torch.Tensor], None]
@@ -114,8 +116,8 @@ class CheckpointLoader:
             if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.spec.n_routed_experts):
                 raise self._err(f"{name}: expert ids must lie in [0, {self.spec.n_routed_experts})")
             return t
-        if not t.is_floating_point():
-            raise self._err(f"{name}: stored as {t.dtype}, expected {'/'.join(slot.dtypes)}")
+        if d.stored == DENSE and _SAFETENSORS_DTYPES.get(t.dtype) not in slot.dtypes:
+            raise self._err(f"{name}: stored as {t.dtype}, expected {'/'.join(slot.dtypes)} (the DeepSeek-V4 layout)")
         bad = int((~torch.isfinite(t)).sum())
         if bad:
             raise self._err(f"{name}: {bad} non-finite value(s) (NaN or Inf); the checkpoint is corrupt")

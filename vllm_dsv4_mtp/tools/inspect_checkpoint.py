@@ -12,14 +12,16 @@ the MTP layer is present and in which precision, and a list of :class:`Problem` 
   ``VLLM_DSV4_MTP_QUANTIZED_MTP=refuse``);
 - a ``quantization_config`` that does not describe what is stored: quantized tensors it excludes or does not
   cover, BF16 linears it would quantize, quantized tensors with no config at all;
-- tensors that are not part of the layout (e.g. a compressor on a sliding-window layer).
+- tensors that are not part of the layout (e.g. a compressor on a sliding-window layer);
+- with ``mtp=True`` ("I will serve this with an MTP speculative config"): no MTP layer declared is an error;
+- with ``scan_values=True``: NaN / Inf values in any tensor (this reads every tensor's data, see
+  :mod:`vllm_dsv4_mtp.formats.finite`; the default stays header-only).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,186 +38,15 @@ from vllm_dsv4_mtp.config import (
     weight_slots,
 )
 from vllm_dsv4_mtp.formats.checkpoint import CheckpointError, CheckpointReader
+from vllm_dsv4_mtp.tools.inspect_report import KIND_LABELS, InspectReport, KindSummary, Problem
 
 __all__ = ["Problem", "KindSummary", "InspectReport", "inspect_checkpoint", "KIND_LABELS"]
-
-KIND_LABELS = {
-    "attention": "attention linears",
-    "compressor": "compressor",
-    "indexer": "indexer",
-    "router": "router",
-    "routed_experts": "routed experts",
-    "shared_experts": "shared experts",
-    "norm_hc": "norms / hc / sinks",
-    "embed_head": "embed / head",
-    "mtp_proj": "MTP e_proj / h_proj",
-}
 
 # stored dtype of a linear weight -> storage precision
 _WEIGHT_PRECISION = {"BF16": "bf16", "F8_E4M3": "fp8-block", "U8": "mxfp4", "I8": "fp4-official"}
 # storage precision of tensors that are never quantized
 _PLAIN_PRECISION = {"BF16": "bf16", "F32": "f32", "I64": "int", "I32": "int"}
 _QUANTIZED = ("fp8-block", "mxfp4", "fp4-official")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One finding. ``message`` starts with the tensor (or file / layer) it is about."""
-
-    severity: str  # "error" | "warning"
-    code: str  # missing | shape | dtype | precision | scale-missing | scale-shape | scale-dtype | mtp-absent |
-    #            mtp-quantized | quant-config | unexpected | config | checkpoint | no-mtp
-    tensor: str | None
-    message: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"severity": self.severity, "code": self.code, "tensor": self.tensor, "message": self.message}
-
-
-@dataclass
-class KindSummary:
-    """Totals for one module kind (main model) or for the MTP layer(s)."""
-
-    precisions: Counter = field(default_factory=Counter)  # precision -> number of logical tensors
-    tensors: int = 0  # stored tensors (scales included)
-    parameters: int = 0  # logical (unquantized) parameters of the tensors present
-    nbytes: int = 0
-
-    def add(self, precision: str, params: int, stored: int, nbytes: int) -> None:
-        self.precisions[precision] += 1
-        self.parameters += params
-        self.tensors += stored
-        self.nbytes += nbytes
-
-    @property
-    def precision(self) -> str:
-        return ", ".join(p for p, _ in sorted(self.precisions.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"precision": self.precision, "precisions": dict(self.precisions), "tensors": self.tensors,
-                "parameters": self.parameters, "bytes": self.nbytes}
-
-
-@dataclass
-class InspectReport:
-    path: str
-    config: dict[str, Any] = field(default_factory=dict)
-    quantization: str = "none"
-    kinds: dict[str, KindSummary] = field(default_factory=dict)  # main model (layers.* + model-level)
-    mtp_kinds: dict[str, KindSummary] = field(default_factory=dict)  # mtp.* by module kind
-    mtp_layers_declared: int = 0
-    mtp_layers_present: list[str] = field(default_factory=list)
-    n_tensors: int = 0
-    n_shards: int = 0
-    nbytes: int = 0
-    problems: list[Problem] = field(default_factory=list)
-
-    # ------------------------------------------------------------------ derived
-    @property
-    def errors(self) -> list[Problem]:
-        return [p for p in self.problems if p.severity == "error"]
-
-    @property
-    def warnings(self) -> list[Problem]:
-        return [p for p in self.problems if p.severity == "warning"]
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    @property
-    def mtp(self) -> KindSummary:
-        total = KindSummary()
-        for k in self.mtp_kinds.values():
-            total.precisions.update(k.precisions)
-            total.tensors += k.tensors
-            total.parameters += k.parameters
-            total.nbytes += k.nbytes
-        return total
-
-    @property
-    def mtp_precision(self) -> str:
-        """Precision of the MTP layer's linear weights ("bf16", "mixed: ...", or "absent")."""
-        if not self.mtp_layers_present:
-            return "absent"
-        lin = Counter()
-        for kind, s in self.mtp_kinds.items():
-            for p, n in s.precisions.items():
-                if p not in ("f32", "int"):
-                    lin[p] += n
-        if len(lin) == 1:
-            return next(iter(lin))
-        return "mixed: " + ", ".join(sorted(lin))
-
-    @property
-    def parameters(self) -> int:
-        return sum(k.parameters for k in self.kinds.values()) + self.mtp.parameters
-
-    def messages(self) -> list[str]:
-        return [p.message for p in self.problems]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "ok": self.ok,
-            "config": self.config,
-            "quantization": self.quantization,
-            "tensors": self.n_tensors,
-            "shards": self.n_shards,
-            "bytes": self.nbytes,
-            "parameters": self.parameters,
-            "kinds": {k: v.to_dict() for k, v in self.kinds.items()},
-            "mtp": {
-                **self.mtp.to_dict(),
-                "precision": self.mtp_precision,  # of its linear weights ("absent" when not stored)
-                "declared_layers": self.mtp_layers_declared,
-                "present_layers": self.mtp_layers_present,
-                "kinds": {k: v.to_dict() for k, v in self.mtp_kinds.items()},
-            },
-            "errors": len(self.errors),
-            "warnings": len(self.warnings),
-            "problems": [p.to_dict() for p in self.problems],
-        }
-
-    def format_table(self, max_per_code: int = 25) -> str:
-        lines = [f"DeepSeek-V4 checkpoint {self.path}"]
-        c = self.config
-        if c:
-            lines.append(f"  config: {c['num_hidden_layers']} layers ({c['schedule']}), hidden {c['hidden_size']}, "
-                         f"{c['n_routed_experts']} routed experts top-{c['num_experts_per_tok']}, "
-                         f"vocab {c['vocab_size']}, MTP layers {c['num_nextn_predict_layers']}")
-        lines.append(f"  quantization_config: {self.quantization}")
-        lines.append(f"  stored: {self.n_tensors} tensors in {self.n_shards} shard(s), "
-                     f"{self.nbytes / 2**20:.1f} MiB; {self.parameters:,} parameters")
-        if self.kinds or self.mtp_kinds:
-            lines.append("")
-            lines.append(f"  {'module kind':<22} {'precision':<28} {'tensors':>8} {'parameters':>15}")
-            for kind, label in KIND_LABELS.items():
-                if kind in self.kinds:
-                    s = self.kinds[kind]
-                    lines.append(f"  {label:<22} {s.precision:<28} {s.tensors:>8} {s.parameters:>15,}")
-            if self.mtp_layers_present:
-                s = self.mtp
-                name = "MTP (" + ", ".join(self.mtp_layers_present) + ")"
-                lines.append(f"  {name:<22} {s.precision:<28} {s.tensors:>8} {s.parameters:>15,}")
-        lines.append("")
-        if self.mtp_layers_declared == 0:
-            lines.append("  MTP: none declared")
-        else:
-            lines.append(f"  MTP: {self.mtp_precision}"
-                         + (f" ({', '.join(self.mtp_layers_present)})" if self.mtp_layers_present else ""))
-        lines.append(f"  problems: {len(self.errors)} error(s), {len(self.warnings)} warning(s)")
-        shown: Counter = Counter()
-        hidden: Counter = Counter()
-        for p in self.problems:
-            if shown[p.code] >= max_per_code:
-                hidden[p.code] += 1
-                continue
-            shown[p.code] += 1
-            lines.append(f"  {p.severity.upper()}: {p.message}")
-        for code, n in hidden.items():
-            lines.append(f"  ... and {n} more '{code}' problem(s) (--json lists all)")
-        return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -225,11 +56,12 @@ def _fmt(shape) -> str:
 
 class _Inspector:
     def __init__(self, reader: CheckpointReader, spec: DeepseekV4Spec, report: InspectReport,
-                 allow_quantized_mtp: bool):
+                 allow_quantized_mtp: bool, for_mtp: bool = False):
         self.r = reader
         self.spec = spec
         self.report = report
         self.allow_quantized_mtp = allow_quantized_mtp
+        self.for_mtp = for_mtp
         self.claimed: set[str] = set()
         self.stored_precision: dict[str, str] = {}  # slot name -> precision
 
@@ -348,8 +180,15 @@ class _Inspector:
         spec, rep = self.spec, self.report
         rep.mtp_layers_declared = spec.num_nextn_predict_layers
         if spec.num_nextn_predict_layers == 0:
-            self.problem("no-mtp", None, "config.json: num_nextn_predict_layers = 0: the checkpoint declares no "
-                         "MTP layer, so MTP speculative decoding is unavailable", "warning")
+            cfg = self.r.path / "config.json"
+            if self.for_mtp:
+                self.problem("no-mtp", None, f"{cfg}: num_nextn_predict_layers = 0: the checkpoint has no MTP layer, "
+                             f"so it cannot be served with speculative_config method 'mtp' (vLLM 0.32 would stop "
+                             f"with 'ZeroDivisionError: integer modulo by zero'); serve it without a speculative "
+                             f"config")
+            else:
+                self.problem("no-mtp", None, f"{cfg}: num_nextn_predict_layers = 0: the checkpoint declares no MTP "
+                             f"layer, so MTP speculative decoding is unavailable", "warning")
             return
         for layer, total in mtp_total.items():
             missing = mtp_missing.get(layer, [])
@@ -496,21 +335,26 @@ def _quark_mismatch(name: str, module: str, stored: str, excluded: bool, wanted:
     return None
 
 
-def inspect_checkpoint(path: str | Path, *, allow_quantized_mtp: bool | None = None) -> InspectReport:
-    """Inspect a checkpoint directory (headers only). Never raises for a bad checkpoint: problems are reported.
+def inspect_checkpoint(path: str | Path, *, allow_quantized_mtp: bool | None = None, mtp: bool = False,
+                       scan_values: bool = False) -> InspectReport:
+    """Inspect a checkpoint directory. Never raises for a bad checkpoint: problems are reported.
 
-    ``allow_quantized_mtp``: whether a quantized MTP layer is acceptable (one warning) or an error per tensor;
-    None follows the draft's own policy, ``VLLM_DSV4_MTP_QUANTIZED_MTP`` (default: decoded at load, allowed).
+    Headers only, unless ``scan_values`` (read every tensor for NaN / Inf: the whole checkpoint's bytes once,
+    one tensor in memory at a time). ``mtp``: the checkpoint is meant for MTP speculative decoding, so a
+    config without an MTP layer is an error, not a warning. ``allow_quantized_mtp``: whether a quantized MTP
+    layer is acceptable (one warning) or an error per tensor; None follows the draft's own policy,
+    ``VLLM_DSV4_MTP_QUANTIZED_MTP`` (default: decoded exactly to BF16 at load, allowed).
     """
     if allow_quantized_mtp is None:
         from vllm_dsv4_mtp.draft_policy import REFUSE, quantized_mtp_option
 
         allow_quantized_mtp = quantized_mtp_option() != REFUSE
-    report = InspectReport(path=str(path))
+    report = InspectReport(path=str(path), for_mtp=mtp)
     try:
         reader = CheckpointReader(path)
     except CheckpointError as e:
-        report.problems.append(Problem("error", "checkpoint", None, str(e)))
+        for message in [str(e)] + _other_shard_problems(Path(path), str(e)):
+            report.problems.append(Problem("error", "checkpoint", None, message))
         return report
     report.n_tensors, report.n_shards, report.nbytes = len(reader), len(reader.shards), reader.total_bytes
     try:
@@ -531,5 +375,37 @@ def inspect_checkpoint(path: str | Path, *, allow_quantized_mtp: bool | None = N
         "num_hash_layers": spec.num_hash_layers,
         "num_nextn_predict_layers": spec.num_nextn_predict_layers,
     }
-    _Inspector(reader, spec, report, allow_quantized_mtp).run()
+    _Inspector(reader, spec, report, allow_quantized_mtp, mtp).run()
+    if scan_values:
+        scan_nonfinite(reader, report)
     return report
+
+
+def _other_shard_problems(path: Path, first: str) -> list[str]:
+    """The header problem of every other broken shard in the directory, so that one run names them all."""
+    from vllm_dsv4_mtp.formats.checkpoint import read_safetensors_header
+
+    out = []
+    for f in sorted(path.glob("*.safetensors")) if path.is_dir() else []:
+        try:
+            read_safetensors_header(f)
+        except CheckpointError as e:
+            if str(e) != first:
+                out.append(str(e))
+    return out
+
+
+def scan_nonfinite(reader: CheckpointReader, report: InspectReport) -> None:
+    """Read every stored tensor and report those holding NaN / Inf (one tensor in memory at a time)."""
+    import torch
+
+    from vllm_dsv4_mtp.formats.finite import stored_nonfinite
+
+    for name, info in reader.tensors.items():
+        if not info.nbytes:
+            continue
+        found = stored_nonfinite(name, info.dtype, torch.frombuffer(reader.raw_buffer(name), dtype=torch.uint8))
+        if found:
+            report.problems.append(Problem("error", "nonfinite", name, f"{name}: non-finite values ({found}) in "
+                                           f"{info.file.name}"))
+    report.values_scanned = True

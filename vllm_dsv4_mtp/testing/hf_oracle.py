@@ -79,7 +79,7 @@ def sharpen_routing(ckpt: str | Path, bias_scale: float = 100.0) -> None:
 
     The routing weights still come from the unbiased scores, so the MoE maths is unchanged; only the top-k
     choice no longer flips on near-ties under rounding. Parity tests use it to see the precision floor of
-    everything else (``../shared/docs/hf-oracle-notes.md``).
+    everything else.
     """
     from safetensors.torch import load_file, save_file
 

@@ -1,11 +1,11 @@
 """Export the trained target + MTP layer as a native-name DeepSeek-V4 BF16 checkpoint.
 
-Layout = the DeepSeek release (dsv4-architecture.md §6.1) with BF16 where the release has FP8/FP4:
+Layout = the DeepSeek release (https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash, its safetensors index) with BF16 where the release has FP8/FP4:
 ``hc_*`` / ``attn_sink`` / ``ape`` / ``gate.bias`` F32, ``tid2eid`` int64, every other tensor BF16; the
 MTP layer under ``mtp.0.*`` (no embed/head of its own: it shares the target's). config.json in the HF
 DeepSeek-V4 style, plus the tokenizer.
 
-    python -m vllm_dsv4_mtp.embedded.export --state /tmp/dsv4-train/state.pt
+    python -m vllm_dsv4_mtp.embedded.training.export --state /tmp/dsv4-train/state.pt
 
 Before writing, the trained float32 weights are rounded in place to the stored dtypes, so the exported
 checkpoint computes exactly what the in-memory model computes afterwards (the round-trip test relies on it).
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ..reference.names import causal_lm_to_native, native_dtype
-from . import ASSETS_DIR, BF16_CHECKPOINT_DIR
+from ...reference.names import causal_lm_to_native, native_dtype
+from .. import ASSETS_DIR, BF16_CHECKPOINT_DIR
 
 MAX_SHARD_BYTES = 4 * 2**20  # several shards + index, like the real releases
 
@@ -41,7 +41,7 @@ def round_to_native_dtypes_(model, mtp) -> None:
 
 def export_checkpoint(model, mtp, config: dict, tokenizer_dir: Path, out_dir: Path) -> Path:
     """Write ``out_dir`` (replacing its safetensors). Returns ``out_dir``."""
-    from ..formats.checkpoint import CheckpointWriter
+    from ...formats.checkpoint import CheckpointWriter
 
     round_to_native_dtypes_(model, mtp)
     tensors = native_tensors(model, mtp)
@@ -66,7 +66,7 @@ def _release_order(name: str) -> tuple:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .train import MODEL_CONFIG, build_models
+    from .recipe import MODEL_CONFIG, build_models
 
     ap = argparse.ArgumentParser(description="Export a training state.pt as the native BF16 checkpoint.")
     ap.add_argument("--state", type=Path, required=True)

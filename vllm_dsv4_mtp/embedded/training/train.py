@@ -8,7 +8,7 @@ vLLM drafts it. Data: few-shot-packed sequences of synthetic GSM8K-style problem
 lm-eval's ``Question: ...\\nAnswer: ...`` layout, long enough (512 tokens) that the 128-token window wraps
 and the C128 compressor emits entries.
 
-    python -m vllm_dsv4_mtp.embedded.train --seed 0 --steps 1500 --out /tmp/dsv4-train
+    python -m vllm_dsv4_mtp.embedded.training.train --seed 0 --steps 1500 --out /tmp/dsv4-train
 
 writes ``state.pt`` there every ``--save-every`` steps (``--resume`` continues from it) and, at the end,
 the native BF16 checkpoint into ``--export`` (default ``embedded/assets/tiny-dsv4-bf16``).
@@ -27,89 +27,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..reference.mtp import target_forward
-from . import ASSETS_DIR, BF16_CHECKPOINT_DIR
-from . import data as gsm
-
-# HF-style config.json of the embedded model (the fields of dsv4-architecture.md §1/§8, legacy names as
-# in the real releases). head_dim / index dims are smaller than the real model's: the plugin's portable
-# kernels take any dims, and a 2-core CPU can train this in well under an hour.
-MODEL_CONFIG: dict = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
-    "vocab_size": 640,
-    "hidden_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 64,
-    "o_lora_rank": 64,
-    "o_groups": 2,
-    "sliding_window": 128,
-    "compress_ratios": [0, 4, 128, 4, 0],
-    "compress_rope_theta": 160000.0,
-    "rope_theta": 10000.0,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                     "beta_fast": 32, "beta_slow": 1},
-    "max_position_embeddings": 4096,
-    "index_n_heads": 8,
-    "index_head_dim": 64,
-    "index_topk": 16,
-    "num_hash_layers": 1,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "moe_intermediate_size": 128,
-    "scoring_func": "sqrtsoftplus",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "swiglu_limit": 10.0,
-    "hidden_act": "silu",
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-6,
-    "num_nextn_predict_layers": 1,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "pad_token_id": 2,
-    "initializer_range": 0.02,
-    "torch_dtype": "bfloat16",
-}
-
-
-def hf_config(cfg: dict):
-    from transformers import DeepseekV4Config
-
-    return DeepseekV4Config.from_dict(cfg)
-
-
-def build_models(cfg: dict, seed: int):
-    """Target (HF) and MTP (reference), seeded. ``tid2eid`` of the hash layers gets ``k`` distinct random
-    experts per token (HF initialises it to zeros, i.e. every token on expert 0 twice)."""
-    from transformers import DeepseekV4ForCausalLM
-
-    from ..reference.mtp import ReferenceMTP
-
-    torch.manual_seed(seed)
-    config = hf_config(cfg)
-    config._experts_implementation = "eager"
-    model = DeepseekV4ForCausalLM(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if layer.mlp.is_hash:
-                e, k = config.n_routed_experts, config.num_experts_per_tok
-                layer.mlp.gate.tid2eid.copy_(torch.rand(config.vocab_size, e, generator=g).argsort(-1)[:, :k])
-    mtp = ReferenceMTP(config, model.model.embed_tokens, model.lm_head)
-    for module in mtp.modules():  # the target was initialised by HF's post_init; the MTP the same way
-        model._init_weights(module)
-    return model, mtp
-
+from ...reference.mtp import target_forward
+from .. import ASSETS_DIR, BF16_CHECKPOINT_DIR
+from .. import data as gsm
+from .export import export_checkpoint
+from .recipe import MODEL_CONFIG, build_models
 
 class BiasBalancer:
     """DeepSeek's auxiliary-loss-free load balancing: after each step, every bias-routed gate's
@@ -171,7 +93,7 @@ def load_tokenizer(tokenizer_dir: Path):
     return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Train the embedded tiny DeepSeek-V4 with its MTP layer (CPU).")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=1500)
@@ -189,8 +111,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--export", type=Path, default=BF16_CHECKPOINT_DIR)
     ap.add_argument("--no-export", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def _optimizer(params: list, lr: float) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+def _resume(state_path: Path, model, mtp, opt) -> int:
+    """Load a saved state; returns the step it was saved at."""
+    st = torch.load(state_path, weights_only=False)
+    model.load_state_dict(st["model"])
+    mtp.load_state_dict(st["mtp"])
+    opt.load_state_dict(st["opt"])
+    print(f"resumed from {state_path} at step {st['step']}", flush=True)
+    return st["step"]
+
+
+def _losses(model, mtp, ids: torch.Tensor, mtp_steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Next-token loss of the target and, per MTP recursion step k, the loss of predicting ``ids[t+k+1]``."""
+    logits, hidden = target_forward(model, ids)
+    loss_main = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    mtp_losses = []
+    for k, lg in enumerate(mtp.forward_steps(hidden, ids, mtp_steps), start=1):
+        # step k at row t predicts ids[t+k+1]; the last row has no target
+        mtp_losses.append(F.cross_entropy(lg[:, :-1].flatten(0, 1), ids[:, k + 1:].flatten()))
+    return loss_main, mtp_losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     tok_dir = ASSETS_DIR / "tokenizer"
@@ -202,27 +156,17 @@ def main(argv: list[str] | None = None) -> int:
 
     model, mtp = build_models(MODEL_CONFIG, args.seed)
     params = list(model.parameters()) + list(mtp.parameters())
-    n_params = sum(p.numel() for p in params)
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    opt = _optimizer(params, args.lr)
     state_path = args.out / "state.pt"
-    start = 0
-    if args.resume and state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        model.load_state_dict(st["model"])
-        mtp.load_state_dict(st["mtp"])
-        opt.load_state_dict(st["opt"])
-        start = st["step"]
-        print(f"resumed from {state_path} at step {start}", flush=True)
+    start = _resume(state_path, model, mtp, opt) if args.resume and state_path.exists() else 0
     gates = [l.mlp.gate for l in model.model.layers if not l.mlp.is_hash] + [mtp.block.mlp.gate]
     balancer = BiasBalancer(gates)
 
     stream = packed_sequences(tok, args.seed, args.seq_len + 1, args.n_problems)
     for _ in range(start * args.batch):  # same data order after a resume
         next(stream)
-    print(f"params {n_params / 1e6:.2f}M, steps {start}..{args.steps}, batch {args.batch}x{args.seq_len}", flush=True)
+    print(f"params {sum(p.numel() for p in params) / 1e6:.2f}M, steps {start}..{args.steps}, batch "
+          f"{args.batch}x{args.seq_len}", flush=True)
     model.train()
     mtp.train()
     t0, tokens = time.time(), 0
@@ -230,12 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.tensor([next(stream)[: args.seq_len] for _ in range(args.batch)])
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        logits, hidden = target_forward(model, ids)
-        loss_main = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-        mtp_losses = []
-        for k, lg in enumerate(mtp.forward_steps(hidden, ids, args.mtp_steps), start=1):
-            # step k at row t predicts ids[t+k+1]; the last row has no target
-            mtp_losses.append(F.cross_entropy(lg[:, :-1].flatten(0, 1), ids[:, k + 1:].flatten()))
+        loss_main, mtp_losses = _losses(model, mtp, ids, args.mtp_steps)
         loss = loss_main + args.mtp_weight * sum(l / (2 ** i) for i, l in enumerate(mtp_losses))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -252,8 +191,6 @@ def main(argv: list[str] | None = None) -> int:
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             save_state(state_path, model, mtp, opt, step + 1, args)
     if not args.no_export:
-        from .export import export_checkpoint
-
         export_checkpoint(model, mtp, MODEL_CONFIG, tok_dir, args.export)
         print(f"exported {args.export}", flush=True)
     return 0

@@ -1,6 +1,6 @@
 """Measure the exported tiny model with HF transformers only (float32): held-out accuracy and MTP agreement.
 
-    python -m vllm_dsv4_mtp.embedded.evaluate --ckpt vllm_dsv4_mtp/embedded/assets/tiny-dsv4-bf16 --shots 0 8
+    python -m vllm_dsv4_mtp.embedded.training.accuracy --ckpt vllm_dsv4_mtp/embedded/assets/tiny-dsv4-bf16 --shots 0 8
 
 - **accuracy**: greedy decoding (HF's KV cache) of ``Question: ...\\nAnswer:`` prompts in lm-eval's gsm8k
   layout, zero-shot or k-shot with the shipped few-shot examples; exact match of the ``#### N`` value.
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from . import BF16_CHECKPOINT_DIR, FEWSHOT_JSONL, TEST_JSONL
-from . import data as gsm
+from .. import BF16_CHECKPOINT_DIR, FEWSHOT_JSONL, TEST_JSONL
+from .. import data as gsm
 
 STOP = "\n\n"
 
@@ -31,7 +31,7 @@ def load(ckpt_dir: Path):
     from tokenizers import Tokenizer
     from transformers import DeepseekV4ForCausalLM
 
-    from ..reference.mtp import ReferenceMTP
+    from ...reference.mtp import ReferenceMTP
 
     model = DeepseekV4ForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32).eval()
     mtp = ReferenceMTP.from_checkpoint(ckpt_dir)
@@ -66,8 +66,8 @@ def greedy(model, tok, prompt: str, max_new_tokens: int = 80) -> tuple[list[int]
 def use_mxfp4_experts_(model, mxfp4_dir: Path) -> int:
     """Replace the target's routed experts by the MXFP4 decode of ``mxfp4_dir`` (a ``dsv4-mtp quantize``
     output): the weight-only effect of MXFP4 (no W4A4 activation rounding). Returns tensors replaced."""
-    from ..formats.checkpoint import CheckpointReader
-    from ..formats.mxfp4 import dequantize
+    from ...formats.checkpoint import CheckpointReader
+    from ...formats.mxfp4 import dequantize
 
     reader, n = CheckpointReader(mxfp4_dir), 0
     for i, layer in enumerate(model.model.layers):
@@ -96,7 +96,7 @@ def accuracy(model, tok, problems: list[dict], fewshot: list[dict], limit: int |
 @torch.no_grad()
 def mtp_agreement(model, mtp, tok, problems: list[dict], fewshot: list[dict], limit: int | None = None) -> dict:
     """Draft/target agreement on the target's own greedy answers (see module doc)."""
-    from ..reference.mtp import target_forward
+    from ...reference.mtp import target_forward
 
     rows = problems[:limit] if limit else problems
     n = a1 = a12 = 0

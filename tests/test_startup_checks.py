@@ -1,0 +1,167 @@
+"""Engine start-up on bad checkpoints, through vLLM's own EngineArgs / LLM: with ``config_format="dsv4_mtp"`` (the
+plugin's config parser, vllm_dsv4_mtp/startup_checks.py) the config errors name config.json and the field before
+vLLM's SpeculativeConfig runs; without it, vLLM's own messages (asserted here, and quoted in docs/bad-inputs.md).
+A truncated shard is named by the target model's header check (formats/shards.py) whatever the config format."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_dsv4_mtp.formats.checkpoint import CheckpointError
+from vllm_dsv4_mtp.startup_checks import StartupCheckError
+from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
+
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    w = tmp_path_factory.mktemp("startup")
+    out = {"good": build_tiny_checkpoint(w / "good", seed=7),
+           "zero": build_tiny_checkpoint(w / "zero", tiny_config(num_nextn_predict_layers=0), mtp=False)}
+    for name, edit in (("neg", {"hidden_size": -128}), ("ratios", {"compress_ratios": [0, 4, 128, 4]})):
+        d = build_tiny_checkpoint(w / name, seed=7, tokenizer=False)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(edit)
+        (d / "config.json").write_text(json.dumps(cfg))
+        out[name] = d
+    trunc = build_tiny_checkpoint(w / "trunc", seed=7)
+    f = trunc / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    out["trunc"] = trunc
+    return out
+
+
+def _engine_config(model: Path, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model), max_model_len=256, skip_tokenizer_init=True, **kw).create_engine_config()
+
+
+def test_the_plugin_registers_the_config_format(ckpts):
+    """No call from the test: vLLM's EngineArgs loads the plugin (vllm.general_plugins), which registers it."""
+    from vllm.transformers_utils.config import get_config_parser
+
+    _engine_config(ckpts["good"], config_format="dsv4_mtp")
+    assert type(get_config_parser("dsv4_mtp")).__name__ == "Dsv4MtpConfigParser"
+
+
+def test_no_mtp_layer_with_an_mtp_config(ckpts):
+    with pytest.raises(StartupCheckError) as e:
+        _engine_config(ckpts["zero"], config_format="dsv4_mtp", speculative_config=MTP)
+    assert str(e.value) == (f"{ckpts['zero'] / 'config.json'}: num_nextn_predict_layers = 0: the checkpoint has no "
+                            f"MTP layer, so it cannot be served with speculative_config method 'mtp'; serve it "
+                            f"without a speculative config")
+    # vLLM's own config code, without the plugin's parser
+    with pytest.raises(ZeroDivisionError, match="^integer modulo by zero$"):
+        _engine_config(ckpts["zero"], speculative_config=MTP)
+    # the same checkpoint without a speculative config is fine either way
+    _engine_config(ckpts["zero"], config_format="dsv4_mtp")
+
+
+def test_negative_hidden_size(ckpts):
+    for spec in ({}, {"speculative_config": MTP}):
+        with pytest.raises(StartupCheckError) as e:
+            _engine_config(ckpts["neg"], config_format="dsv4_mtp", **spec)
+        assert str(e.value) == f"{ckpts['neg'] / 'config.json'}: field 'hidden_size' must be > 0, got -128"
+
+
+def test_missing_config_json_is_vllms_own_message(ckpts, tmp_path):
+    import shutil
+
+    d = tmp_path / "noconf"
+    shutil.copytree(ckpts["good"], d)
+    (d / "config.json").unlink()
+    with pytest.raises(Exception) as e:
+        _engine_config(d)
+    assert f"Invalid repository ID or local directory specified: '{d}'." in str(e.value)
+    assert "ensure the presence of a 'config.json'" in str(e.value)
+    with pytest.raises(StartupCheckError) as e:  # where vLLM's HF parser would ask for a `model_type` key
+        _engine_config(d, config_format="dsv4_mtp")
+    assert str(e.value) == f"{d / 'config.json'}: not found: a checkpoint directory needs its config.json"
+
+
+def _llm(model: Path, **kw):
+    """An in-process engine (so the worker's exception reaches the caller unchanged)."""
+    import vllm.envs
+    from vllm import LLM
+
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        return LLM(model=str(model), dtype="bfloat16", enforce_eager=True, max_model_len=256, **kw)
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+        vllm.envs.disable_envs_cache()
+
+
+@pytest.mark.engine
+def test_negative_hidden_size_without_the_config_format_dies_in_vllm(ckpts):
+    """What vLLM says by itself: its model runner allocates [tokens, hidden_size] buffers before any plugin code
+    runs (GPUModelRunner.__init__, torch.zeros)."""
+    with pytest.raises(RuntimeError, match=r"^zeros: Dimension size must be non-negative\.$"):
+        _llm(ckpts["neg"], skip_tokenizer_init=True)
+    gc.collect()
+
+
+RATIOS = ("field 'compress_ratios' has 4 entries, expected num_hidden_layers + num_nextn_predict_layers = 4 + 1 = 5 "
+          "(one per main layer, then one per MTP layer)")
+
+
+def test_malformed_field_with_the_config_format(ckpts):
+    with pytest.raises(StartupCheckError) as e:
+        _engine_config(ckpts["ratios"], config_format="dsv4_mtp")
+    assert str(e.value) == f"{ckpts['ratios'] / 'config.json'}: {RATIOS}"
+
+
+@pytest.mark.engine
+def test_malformed_field_without_it_is_named_by_the_model(ckpts):
+    """Without the config format, the plugin's model constructor validates the same fields (after vLLM's config
+    code, which this field does not trip)."""
+    from vllm_dsv4_mtp.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _llm(ckpts["ratios"], skip_tokenizer_init=True)
+    assert str(e.value) == f"{ckpts['ratios'] / 'config.json'}: {RATIOS}"
+    gc.collect()
+
+
+@pytest.mark.engine
+def test_truncated_shard_is_named_at_engine_start(ckpts):
+    """The target model's constructor checks every shard header before vLLM's safetensors reader opens them (which
+    would say 'incomplete metadata, file not fully covered', naming no file)."""
+    with pytest.raises(CheckpointError) as e:
+        _llm(ckpts["trunc"], skip_tokenizer_init=True)
+    f = ckpts["trunc"] / "model.safetensors"
+    size = f.stat().st_size
+    assert str(e.value).startswith(f"{f}: truncated safetensors file: its header describes ")
+    assert str(e.value).endswith(f" data bytes (through tensor 'norm.weight') but the file holds only "
+                                 f"{size - 8 - _header_len(f)}")
+    gc.collect()
+
+
+def _header_len(f: Path) -> int:
+    import struct
+
+    return struct.unpack("<Q", f.read_bytes()[:8])[0]
+
+
+@pytest.mark.engine
+def test_a_good_checkpoint_serves_with_the_config_format_and_mtp(ckpts):
+    """The parser is vLLM's HF parser plus checks: a good checkpoint starts with the MTP draft and generates."""
+    from vllm import SamplingParams
+
+    llm = _llm(ckpts["good"], config_format="dsv4_mtp", speculative_config={"method": "mtp",
+                                                                            "num_speculative_tokens": 2})
+    out = llm.generate([{"prompt_token_ids": [0, 17, 42, 99, 5]}], SamplingParams(max_tokens=8, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 8
+    del llm
+    gc.collect()

@@ -1,0 +1,221 @@
+"""``dsv4-mtp eval --ab``: the same lm-eval run against several servers, compared run by run and answer by answer.
+
+Runs are either servers already running (``--server [LABEL=]URL``, e.g. a Pro MTP-off and MTP-on pair, or a
+BF16 and an MXFP4 one, that the user started and may still be loading: ``--wait``), or servers started here
+one at a time through ``dsv4-mtp serve`` for each ``--checkpoint`` x ``--mtp`` setting (``--start-timeout``).
+Each run is one :class:`~.lmeval.LmEvalRun` (the recipe's settings unless overridden) with the server's
+spec-decode counters scraped around it; its answers are read back from lm-eval's samples file and compared,
+problem by problem, with its baseline run's (greedy speculative decoding should change none).
+
+Written to ``--out``: ``eval_ab.md`` (what is printed), ``eval_ab.json`` (everything, with the machine) and
+``eval_ab_answers.jsonl`` (one line per problem: each run's answer, what strict / flexible extracted, right or
+wrong).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MAX_LISTED_DIFFERENCES = 20
+
+
+@dataclass
+class AbRun:
+    """One server to evaluate: ``base_url`` (running) or ``spec`` (started here), and its comparison baseline."""
+
+    label: str
+    base_url: str | None = None
+    spec: object | None = None  # ServerSpec
+    baseline: str | None = None
+    model: str | None = None
+    mtp: str = "?"
+    result: dict | None = None
+    answers: dict = field(default_factory=dict, repr=False)  # doc_id -> SampleAnswer
+    identical: tuple[int, int] | None = None  # (same answer as the baseline, compared)
+    differing: list[int] = field(default_factory=list)
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-") or "run"
+
+
+def plan_url_runs(servers: list[str], baseline: str | None) -> list[AbRun]:
+    runs = []
+    for i, item in enumerate(servers, 1):
+        m = re.fullmatch(r"(?:(.+)=)?(https?://\S+)", item)  # the label may itself hold '=' ("MTP K=2")
+        if m is None:
+            raise ValueError(f"--server takes [LABEL=]http://HOST:PORT, got {item!r}")
+        runs.append(AbRun(label=m.group(1) or f"server {i}", base_url=m.group(2)))
+    _set_baseline(runs, baseline or runs[0].label)
+    return runs
+
+
+def plan_managed_runs(models: dict[str, Path], settings: list[int | None], profile: str, serve_args: list[str],
+                      baseline: str | None) -> list[AbRun]:
+    from .server import ServerSpec, spec_label
+
+    runs = []
+    for name, ckpt in models.items():
+        for k in settings:
+            base = f"{name} MTP off" if (k is not None and None in settings) else None
+            spec = ServerSpec(model=str(ckpt), mtp_k=k, profile=profile, extra_args=list(serve_args))
+            runs.append(AbRun(label=f"{name} {spec_label(k)}", spec=spec, baseline=base,
+                              mtp="off" if k is None else f"K={k}"))
+    if baseline:
+        _set_baseline(runs, baseline)
+    return runs
+
+
+def _set_baseline(runs: list[AbRun], baseline: str) -> None:
+    labels = [r.label for r in runs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"run labels must be distinct, got {labels}")
+    if baseline not in labels:
+        raise ValueError(f"--baseline {baseline!r} is none of the runs {labels}")
+    for r in runs:
+        r.baseline = None if r.label == baseline else baseline
+
+
+def mtp_from_metrics(base_url: str) -> str:
+    """``off`` when the server exports no spec-decode counters, else ``K=k`` from its per-position counters."""
+    from vllm_dsv4_mtp.serve.metrics import scrape
+
+    from .server import server_root
+
+    m = scrape(server_root(base_url))
+    if m is None:
+        return "off"
+    return f"K={len(m.accepted_per_position)}" if m.accepted_per_position else "on"
+
+
+def evaluate_run(run: AbRun, args, include: Path | None) -> None:
+    from .eval_runs import evaluate_server, lmeval_run
+    from .lmeval import read_samples
+    from .server import ManagedServer, served_model_name, wait_healthy
+
+    out_dir = Path(args.out) / _slug(run.label)
+    if run.base_url is not None:
+        wait_healthy(run.base_url, args.wait)
+        run.model = args.model or served_model_name(run.base_url)
+        run.mtp = mtp_from_metrics(run.base_url)
+        run.result = evaluate_server(lmeval_run(args, run.base_url, run.model, out_dir, include))
+    else:
+        with ManagedServer(run.spec, log_path=Path(args.out) / f"server-{_slug(run.label)}.log",
+                           start_timeout_s=args.start_timeout) as srv:
+            run.base_url = srv.base_url
+            run.model = served_model_name(srv.base_url)
+            run.result = evaluate_server(lmeval_run(args, srv.base_url, run.model, out_dir, include))
+    run.answers = read_samples(run.result["score"]["results_file"])
+
+
+def compare(runs: list[AbRun]) -> None:
+    """Each run's answers against its baseline's, problem by problem (the raw generated text)."""
+    by_label = {r.label: r for r in runs}
+    for r in runs:
+        if r.baseline is None or r.baseline not in by_label:
+            continue
+        base = by_label[r.baseline].answers
+        common = sorted(set(base) & set(r.answers))
+        r.differing = [i for i in common if base[i].response != r.answers[i].response]
+        r.identical = (len(common) - len(r.differing), len(common))
+
+
+def _pm(v: float, se: float | None) -> str:
+    return f"{v:.4f}" + (f" ± {se:.4f}" if se is not None else "")
+
+
+def report(runs: list[AbRun]) -> str:
+    """The table, the lm-eval command of each run, and the answers that differ from the baseline."""
+    lines = ["| run | served model | MTP | strict-match | flexible-extract | problems | mean acceptance length "
+             "| per-position acceptance | answers identical to baseline | lm-eval wall (s) | lm-eval command |",
+             "|---|---|---|---:|---:|---:|---:|---|---|---:|---|"]
+    for i, r in enumerate(runs, 1):
+        s, sd = r.result["score"], r.result["spec_decode"]
+        al = sd.get("mean_acceptance_length") if sd else None
+        pos = " / ".join(f"{p:.2f}" for p in (sd.get("per_position_acceptance") or [])) if sd else ""
+        ident = "(baseline)" if r.identical is None else f"{r.identical[0]}/{r.identical[1]} ({r.baseline})"
+        lines.append(f"| {r.label} | {r.model} | {r.mtp} | {_pm(s['strict'], s['strict_stderr'])} "
+                     f"| {_pm(s['flexible'], s['flexible_stderr'])} | {s['n']} | {'–' if al is None else f'{al:.3f}'} "
+                     f"| {pos or '–'} | {ident} | {r.result['wall_s']:.0f} | [{i}] |")
+    lines += ["", "lm-eval commands:"]
+    lines += [f"[{i}] `{r.result['lm_eval_command']}`" for i, r in enumerate(runs, 1)]
+    lines += ["", "Answers that differ from the baseline (strict-match extraction, right/wrong):"]
+    by_label = {r.label: r for r in runs}
+    for r in runs:
+        if r.identical is None:
+            continue
+        if not r.differing:
+            lines.append(f"- {r.label} vs {r.baseline}: none, all {r.identical[1]} identical")
+            continue
+        base = by_label[r.baseline].answers
+        shown = [f"doc {i}: {_verdict(base[i])} vs {_verdict(r.answers[i])}"
+                 for i in r.differing[:MAX_LISTED_DIFFERENCES]]
+        more = len(r.differing) - len(shown)
+        lines.append(f"- {r.label} vs {r.baseline}: {len(r.differing)} differ: " + "; ".join(shown)
+                     + (f"; and {more} more (eval_ab_answers.jsonl)" if more > 0 else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _verdict(a) -> str:
+    return f"`{a.strict}` ({'right' if a.strict_correct else 'wrong'})"
+
+
+def write_outputs(out: Path, runs: list[AbRun], args, text: str) -> None:
+    from .common import machine
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{"label": r.label, "base_url": r.base_url, "served_model": r.model, "mtp": r.mtp,
+             "checkpoint_dir": getattr(r.spec, "model", None), "baseline": r.baseline, **r.result,
+             "identical_to_baseline": r.identical, "differing_doc_ids": r.differing} for r in runs]
+    report_json = {"task": args.task, "num_fewshot": args.num_fewshot, "limit": args.limit,
+                   "machine": machine(), "rows": rows}
+    (out / "eval_ab.json").write_text(json.dumps(report_json, indent=1) + "\n")
+    (out / "eval_ab.md").write_text(text)
+    docs = sorted(set().union(*(r.answers for r in runs)))
+    with open(out / "eval_ab_answers.jsonl", "w") as f:
+        for d in docs:
+            per_run = {r.label: vars(r.answers[d]) for r in runs if d in r.answers}
+            f.write(json.dumps({"doc_id": d, "runs": per_run}) + "\n")
+
+
+def run_ab(args) -> int:
+    from .common import embedded_models
+    from .eval_runs import prepare_task, score_line
+    from .server import wait_healthy
+
+    if args.server:
+        runs = plan_url_runs(args.server, args.baseline)
+    else:
+        models = _model_dirs(args.checkpoint) if args.checkpoint else embedded_models()
+        if not models:
+            print("dsv4-mtp eval --ab: error: nothing to compare: pass --server URL (running servers) or "
+                  "--checkpoint NAME=DIR (the embedded models are not built)", file=sys.stderr)
+            return 2
+        settings = list(args.mtp)
+        runs = plan_managed_runs(models, settings, args.profile, args.serve_arg, args.baseline)
+    include = prepare_task(args)
+    for r in runs:  # every given server up before the first (long) lm-eval run
+        if r.base_url is not None:
+            wait_healthy(r.base_url, args.wait)
+    for r in runs:
+        evaluate_run(r, args, include)
+        print(f"# {r.label}: " + score_line(r.result), file=sys.stderr, flush=True)
+    compare(runs)
+    text = report(runs)
+    write_outputs(Path(args.out), runs, args, text)
+    print(Path(args.out, "eval_ab.json").read_text() if args.json else text, end="")
+    return 0
+
+
+def _model_dirs(items: list[str]) -> dict[str, Path]:
+    out = {}
+    for it in items:
+        name, sep, path = it.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--checkpoint needs NAME=DIR, got {it!r}")
+        out[name] = Path(path)
+    return out

@@ -1,0 +1,86 @@
+"""DeepSeek-V4 ``config.json`` checks that run before vLLM's own config code: the ``dsv4_mtp`` config format.
+
+vLLM 0.32 builds its ``SpeculativeConfig`` and the MTP proposer from ``config.json`` before any model code of the
+plugin runs, so two bad inputs die inside vLLM naming neither the file nor the field:
+
+- ``num_nextn_predict_layers: 0`` with ``speculative_config={"method": "mtp", "num_speculative_tokens": K}``:
+  ``ZeroDivisionError: integer modulo by zero`` (``SpeculativeConfig`` computes ``K % n_predict``);
+- a negative dimension such as ``hidden_size: -128``: the proposer's buffers fail with ``zeros: Dimension size
+  must be non-negative``.
+
+The one place vLLM lets a plugin run code there without patching vLLM is a registered config parser
+(``vllm.transformers_utils.config.register_config_parser``), chosen with ``--config-format`` (engine argument
+``config_format``); the general-plugin hook (``vllm.general_plugins``) runs earlier but sees no engine arguments.
+:func:`register_config_format` registers ``dsv4_mtp``: vLLM's own HF parser, then, for ``model_type:
+deepseek_v4``, the plugin's full validation of the config (:class:`~vllm_dsv4_mtp.config.DeepseekV4Spec`, every
+error naming config.json and the field) and, when vLLM parses the config of the MTP draft, that the checkpoint
+declares an MTP layer. Without ``--config-format dsv4_mtp`` vLLM's own messages stand; ``dsv4-mtp inspect --mtp
+DIR`` is the same check as a pre-flight command.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+__all__ = ["CONFIG_FORMAT", "StartupCheckError", "check_config", "register_config_format"]
+
+CONFIG_FORMAT = "dsv4_mtp"
+# the architecture vLLM's SpeculativeConfig gives the draft of a DeepSeek-V4 target (method "mtp")
+_MTP_DRAFT_ARCH = "DeepSeekV4MTPModel"
+
+
+class StartupCheckError(RuntimeError):
+    """A config.json that vLLM would reject with an unclear error, or accept and then fail on. Not a ValueError:
+    vLLM's pydantic config classes would rewrap a ValueError into a multi-line validation report."""
+
+
+def check_config(model: str | Path, config: dict, *, mtp_draft: bool) -> None:
+    """Validate a DeepSeek-V4 ``config.json`` dict (``mtp_draft``: vLLM is building the MTP draft from it)."""
+    from vllm_dsv4_mtp.config import ConfigError, DeepseekV4Spec
+
+    source = str(Path(model) / "config.json")
+    try:
+        spec = DeepseekV4Spec.from_dict(config, source=source)
+    except ConfigError as e:
+        raise StartupCheckError(str(e)) from None
+    if mtp_draft and spec.num_nextn_predict_layers == 0:
+        raise StartupCheckError(
+            f"{source}: num_nextn_predict_layers = 0: the checkpoint has no MTP layer, so it cannot be served with "
+            f"speculative_config method 'mtp'; serve it without a speculative config")
+
+
+def _is_mtp_draft(config, hf_overrides) -> bool:
+    """Is vLLM parsing this config for the MTP draft? Its ``hf_overrides`` then turn a DeepSeek-V4 config into
+    the draft architecture (applied here to a copy, as vLLM's own parser probes them)."""
+    if not callable(hf_overrides):
+        return False
+    probe = hf_overrides(copy.deepcopy(config))
+    return _MTP_DRAFT_ARCH in (getattr(probe, "architectures", None) or [])
+
+
+def register_config_format() -> None:
+    """Register the ``dsv4_mtp`` config parser with vLLM (idempotent; cheap: imports vLLM's config module only)."""
+    from vllm.transformers_utils.config import HFConfigParser, get_config_parser, register_config_parser
+
+    try:
+        if type(get_config_parser(CONFIG_FORMAT)).__name__ == "Dsv4MtpConfigParser":
+            return
+    except ValueError:  # not registered yet
+        pass
+
+    @register_config_parser(CONFIG_FORMAT)
+    class Dsv4MtpConfigParser(HFConfigParser):
+        """vLLM's HF config parser, plus :func:`check_config` for DeepSeek-V4 checkpoints."""
+
+        def parse(self, model, trust_remote_code, revision=None, code_revision=None, **kwargs):
+            if Path(model).is_dir() and not (Path(model) / "config.json").is_file():
+                # transformers would say "Should have a `model_type` key in its config.json"
+                raise StartupCheckError(f"{Path(model) / 'config.json'}: not found: a checkpoint directory needs "
+                                        f"its config.json")
+            overrides = kwargs.get("hf_overrides")
+            config_dict, config = super().parse(model, trust_remote_code, revision, code_revision, **kwargs)
+            if config_dict.get("model_type") == "deepseek_v4":
+                raw = {**config_dict, **overrides} if isinstance(overrides, dict) else config_dict
+                check_config(model, raw, mtp_draft=_is_mtp_draft(config, overrides))
+            return config_dict, config

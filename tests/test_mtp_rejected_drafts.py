@@ -25,8 +25,8 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.model.hf_oracle import sharpen_routing
-    from vllm_dsv4_mtp.model.mtp_checkpoints import scale_head
+    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
+    from vllm_dsv4_mtp.testing.mtp_checkpoints import scale_head
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
     d = build_tiny_checkpoint(tmp_path_factory.mktemp("mtp-rejected") / "ckpt", seed=4)
@@ -55,7 +55,7 @@ def _run(ckpt, k: int):
 
 
 def test_rejected_drafts_leave_later_steps_unchanged(ckpt):
-    from vllm_dsv4_mtp.model.hf_oracle import greedy_agreement, load_hf_model
+    from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement, load_hf_model
 
     prompts, outs_on, spec = _run(ckpt, 2)
     _, outs_off, _ = _run(ckpt, 0)

@@ -1,15 +1,19 @@
-"""Shared test settings.
+"""Shared test settings and fixtures.
 
 Environment defaults are set before any test imports vllm: vLLM's CPU KV cache otherwise takes a large
-slice of RAM, and nothing may reach a model hub.
+slice of RAM, and nothing may reach a model hub. Every other environment change goes through pytest's
+``monkeypatch`` (or ``tests/engines.py`` for what an engine needs), so none outlives its test or module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
 import pytest
+
+from engines import vllm_engine
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,3 +66,12 @@ def vllm_dist():
         yield
         destroy_model_parallel()
         destroy_distributed_environment()
+
+
+@pytest.fixture(scope="module")
+def start_engine():
+    """``start_engine(model, *, in_process=False, apply_model=False, env=None, **LLM kwargs)``: a vLLM ``LLM``
+    (``tests/engines.py``) that runs until the module's tests are done, its environment restored after."""
+    with contextlib.ExitStack() as stack:
+        yield lambda model, **kw: stack.enter_context(vllm_engine(model, **kw))
+

@@ -11,13 +11,12 @@ behaviour for ``num_nextn_predict_layers: 0``.
 
 from __future__ import annotations
 
-import gc
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from engines import vllm_engine
 
 from vllm_dsv4_mtp import draft_policy as mtp_policy
 
@@ -276,20 +275,9 @@ def test_num_nextn_predict_layers_zero_fails_in_vllm(tmp_path):
 @pytest.mark.engine
 def test_engine_start_without_mtp_weights_fails_naming_the_checkpoint(ckpts):
     """The real engine (in-process, so the worker's exception reaches the caller unchanged)."""
-    import vllm.envs
-    from vllm import LLM
-
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        with pytest.raises(ValueError) as e:
-            LLM(model=str(ckpts["no-mtp"]), dtype="bfloat16", enforce_eager=True, max_model_len=256,
-                skip_tokenizer_init=True, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-        assert str(e.value) == f"{ckpts['no-mtp']}: {NO_MTP_TAIL}"
-    finally:
-        gc.collect()
-        if old is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
-        vllm.envs.disable_envs_cache()
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError) as e:
+        with vllm_engine(ckpts["no-mtp"], in_process=True, dtype="bfloat16", enforce_eager=True, max_model_len=256,
+                         skip_tokenizer_init=True, speculative_config=spec):
+            pass  # not reached: the engine must not start
+    assert str(e.value) == f"{ckpts['no-mtp']}: {NO_MTP_TAIL}"

@@ -138,7 +138,8 @@ def _tensors(ckpt):
     return {name: reader.get(name) for name in reader.names()}
 
 
-def test_bf16_checkpoint_loads_every_draft_parameter(vllm_dist, ckpts):
+@pytest.mark.usefixtures("vllm_dist")
+def test_bf16_checkpoint_loads_every_draft_parameter(ckpts):
     draft = _build_draft(ckpts["bf16"])
     tensors = _tensors(ckpts["bf16"])
     loaded = draft.load_weights(iter(tensors.items()))
@@ -153,7 +154,8 @@ def test_bf16_checkpoint_loads_every_draft_parameter(vllm_dist, ckpts):
     assert not draft.is_unused_checkpoint_weight("mtp.0.e_proj.weight")
 
 
-def test_draft_never_takes_the_targets_quant_config(vllm_dist, ckpts, monkeypatch):
+@pytest.mark.usefixtures("vllm_dist")
+def test_draft_never_takes_the_targets_quant_config(ckpts, monkeypatch):
     """Built under a quantized checkpoint's config, every draft linear is unquantized and its experts BF16."""
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
@@ -172,7 +174,8 @@ def test_draft_never_takes_the_targets_quant_config(vllm_dist, ckpts, monkeypatc
         assert draft.model.layer(0).mtp_block.ffn.experts.w13_weight.dtype == torch.bfloat16
 
 
-def test_quantized_mtp_is_refused_on_request(vllm_dist, ckpts, monkeypatch):
+@pytest.mark.usefixtures("vllm_dist")
+def test_quantized_mtp_is_refused_on_request(ckpts, monkeypatch):
     monkeypatch.setenv(ENV, "refuse")
     with pytest.raises(mtp_policy.MtpPrecisionError) as e:
         _build_draft(ckpts["official"])
@@ -181,7 +184,8 @@ def test_quantized_mtp_is_refused_on_request(vllm_dist, ckpts, monkeypatch):
                             "modules) is declared fp8-block by quantization_config" + REFUSAL_TAIL)
 
 
-def test_quantized_mtp_tensor_refused_even_if_config_says_bf16(vllm_dist, ckpts, monkeypatch):
+@pytest.mark.usefixtures("vllm_dist")
+def test_quantized_mtp_tensor_refused_even_if_config_says_bf16(ckpts, monkeypatch):
     """A BF16-declared checkpoint with an FP8 MTP tensor: the tensor itself is refused, by name."""
     from vllm_dsv4_mtp.formats.fp8 import quantize_block_fp8
 
@@ -196,7 +200,8 @@ def test_quantized_mtp_tensor_refused_even_if_config_says_bf16(vllm_dist, ckpts,
                             + REFUSAL_TAIL)
 
 
-def test_quantized_mtp_is_dequantized_exactly_by_default(vllm_dist, ckpts, monkeypatch):
+@pytest.mark.usefixtures("vllm_dist")
+def test_quantized_mtp_is_dequantized_exactly_by_default(ckpts, monkeypatch):
     from vllm_dsv4_mtp.formats import mxfp4
     from vllm_dsv4_mtp.formats.fp8 import dequantize_block_fp8
 
@@ -222,8 +227,8 @@ NO_MTP_TAIL = ("speculative decoding with method 'mtp' needs the checkpoint's MT
 
 
 @pytest.mark.parametrize("option", ["dequantize", "refuse"])
-def test_checkpoint_without_mtp_weights_is_an_error_before_any_precision_question(vllm_dist, ckpts, monkeypatch,
-                                                                                   option):
+@pytest.mark.usefixtures("vllm_dist")
+def test_checkpoint_without_mtp_weights_is_an_error_before_any_precision_question(ckpts, monkeypatch, option):
     """The draft's constructor reads the checkpoint's tensor names: no mtp.* is said first, also for a
     quantized export whose config would otherwise be refused for its precision (what ``quantize
     --allow-missing-mtp`` writes)."""
@@ -234,7 +239,8 @@ def test_checkpoint_without_mtp_weights_is_an_error_before_any_precision_questio
         assert str(e.value) == f"{ckpts[name]}: {NO_MTP_TAIL}"
 
 
-def test_missing_or_misshaped_mtp_tensor_is_named(vllm_dist, ckpts):
+@pytest.mark.usefixtures("vllm_dist")
+def test_missing_or_misshaped_mtp_tensor_is_named(ckpts):
     tensors = _tensors(ckpts["bf16"])
     without = {k: v for k, v in tensors.items() if k != "mtp.0.ffn.experts.6.w2.weight"}
     with pytest.raises(ValueError) as e:

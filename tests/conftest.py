@@ -1,15 +1,19 @@
-"""Shared test settings.
+"""Shared test settings and fixtures.
 
 Environment defaults are set before any test imports vllm: vLLM's CPU KV cache otherwise takes a large
-slice of RAM, and nothing may reach a model hub.
+slice of RAM, and nothing may reach a model hub. Every other environment change goes through pytest's
+``monkeypatch`` (or ``tests/engines.py`` for what an engine needs), so none outlives its test or module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
 import pytest
+
+from engines import vllm_engine
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,3 +66,38 @@ def vllm_dist():
         yield
         destroy_model_parallel()
         destroy_distributed_environment()
+
+
+@pytest.fixture(scope="module")
+def start_engine():
+    """``start_engine(model, *, in_process=False, apply_model=False, env=None, **LLM kwargs)``: a vLLM ``LLM``
+    (``tests/engines.py``) that runs until the module's tests are done, its environment restored after."""
+    with contextlib.ExitStack() as stack:
+        yield lambda model, **kw: stack.enter_context(vllm_engine(model, **kw))
+
+
+@pytest.fixture(scope="module")
+def start_server(tmp_path_factory):
+    """``start_server(model, mtp_k=None, extra_args=())``: a started ``ManagedServer``
+    (``vllm_dsv4_mtp/evaluate/server.py``: ``dsv4-mtp serve --profile cpu-tiny MODEL`` with MTP off or K drafts and
+    the extra vLLM flags, which replace the profile's), stopped when the module's tests are done; its log is
+    ``.log_path``."""
+    from vllm_dsv4_mtp.evaluate.server import ManagedServer, ServerSpec
+
+    def start(model, mtp_k=None, extra_args=()):
+        spec = ServerSpec(model=str(model), mtp_k=mtp_k, extra_args=list(extra_args))
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        return stack.enter_context(ManagedServer(spec, log_path=log, start_timeout_s=600))
+
+    with contextlib.ExitStack() as stack:
+        yield start
+
+
+@pytest.fixture(scope="session")
+def embedded_mxfp4():
+    """The shipped MXFP4 checkpoint (what ``make demo`` serves); it is part of the repository, never substituted."""
+    from vllm_dsv4_mtp.embedded import MXFP4_CHECKPOINT_DIR
+    from vllm_dsv4_mtp.evaluate.common import has_checkpoint
+
+    assert has_checkpoint(MXFP4_CHECKPOINT_DIR), f"{MXFP4_CHECKPOINT_DIR}: the embedded MXFP4 checkpoint is missing"
+    return MXFP4_CHECKPOINT_DIR

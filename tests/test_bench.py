@@ -1,5 +1,5 @@
-"""`dsv4-mtp bench`: a small concurrency sweep against a real vLLM server on a tiny DeepSeek-V4 (one server for the
-module) producing the markdown table, the PNG plot and the JSON; and the report arithmetic (speedups, step costs).
+"""`dsv4-mtp bench`: a small concurrency sweep against a real vLLM server on the embedded tiny DeepSeek-V4 (MXFP4, MTP
+K=2, one server for the module) producing the markdown table, the PNG plot and the JSON; and the report arithmetic (speedups, step costs).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dsv4_mtp.evaluate import common
 from vllm_dsv4_mtp.evaluate.bench import BenchRun, LevelResult, build_report, markdown, percentile, write_outputs
 
 DSV4_MTP = str(Path(sys.executable).parent / "dsv4-mtp")
@@ -55,23 +54,12 @@ def test_bench_refuses_a_non_loopback_server(tmp_path):
     assert "request loops to 127.0.0.1 / localhost only (host '10.1.2.3' is not a loopback address)" in r.stderr
 
 
+K = 2
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from vllm_dsv4_mtp.evaluate.server import ManagedServer, ServerSpec
-
-    models = common.embedded_models()
-    if models:
-        model = str(models.get("MXFP4") or models["BF16"])
-    else:
-        from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
-
-        model = str(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", experts="mxfp4"))
-    k = 2
-    srv = ManagedServer(ServerSpec(model=model, mtp_k=k), log_path=tmp_path_factory.mktemp("srv") / "server.log",
-                        start_timeout_s=600)
-    srv.start()
-    yield srv
-    srv.stop()
+def server(start_server, embedded_mxfp4):
+    return start_server(embedded_mxfp4, mtp_k=K)
 
 
 @pytest.mark.engine
@@ -84,7 +72,7 @@ def test_bench_sweep_against_server(server, tmp_path):
     rep = json.loads((out / "bench.json").read_text())
     assert rep["machine"]["cores"] >= 1 and rep["max_tokens"] == 12 and rep["temperature"] == 0.0
     (run,) = rep["runs"]
-    assert run["mtp_k"] == server.spec.mtp_k
+    assert run["mtp_k"] == K
     assert [lv["concurrency"] for lv in run["levels"]] == [1, 2]
     for lv in run["levels"]:
         assert lv["requests"] == 3 and lv["failed"] == 0
@@ -94,12 +82,10 @@ def test_bench_sweep_against_server(server, tmp_path):
         assert lv["e2e_p50_ms"] <= lv["e2e_p90_ms"]
         assert 0 < lv["tpot_mean_ms"] < lv["e2e_mean_ms"]
         assert lv["output_tok_s"] == pytest.approx(lv["output_tokens"] / lv["duration_s"], rel=0.01)
-        if server.spec.mtp_k is None:
-            assert lv["acceptance_length"] is None
-        else:  # from the /metrics deltas around this level only
-            assert lv["drafts"] > 0 and 1.0 <= lv["acceptance_length"] <= 1.0 + server.spec.mtp_k
-            assert len(lv["per_position_acceptance"]) == server.spec.mtp_k
-            assert all(0.0 <= a <= 1.0 for a in lv["per_position_acceptance"])
+        # from the /metrics deltas around this level only
+        assert lv["drafts"] > 0 and 1.0 <= lv["acceptance_length"] <= 1.0 + K
+        assert len(lv["per_position_acceptance"]) == K
+        assert all(0.0 <= a <= 1.0 for a in lv["per_position_acceptance"])
     md = (out / "bench.md").read_text()
     assert md.count("\n| 1 | 3 | 0 |") == 1 and md.count("\n| 2 | 3 | 0 |") == 1
     assert md in r.stdout

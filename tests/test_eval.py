@@ -1,5 +1,6 @@
 """`dsv4-mtp eval`: the local GSM8K-style lm-eval task, lm-eval's strict / flexible scoring read back, and a real
-lm-eval `local-completions` run against a vLLM server serving a tiny DeepSeek-V4 (one server for the module).
+lm-eval `local-completions` run against a vLLM server serving the embedded tiny DeepSeek-V4 (MXFP4, MTP K=1, one
+server for the module).
 """
 
 from __future__ import annotations
@@ -209,23 +210,12 @@ def test_ab_report_compares_answer_by_answer():
 # ------------------------------------------------------------------------------- against a real server
 
 
+K = 1
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from vllm_dsv4_mtp.evaluate.server import ManagedServer, ServerSpec
-
-    models = common.embedded_models()
-    if models:
-        model = str(models.get("MXFP4") or models["BF16"])
-    else:
-        from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
-
-        model = str(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", experts="mxfp4"))
-    k = 1
-    srv = ManagedServer(ServerSpec(model=model, mtp_k=k), log_path=tmp_path_factory.mktemp("srv") / "server.log",
-                        start_timeout_s=600)
-    srv.start()
-    yield srv
-    srv.stop()
+def server(start_server, embedded_mxfp4):
+    return start_server(embedded_mxfp4, mtp_k=K)
 
 
 @pytest.mark.engine
@@ -263,12 +253,9 @@ def test_eval_local_task_against_server(server, tmp_path):
     assert score["strict"] == pytest.approx(sum(s["exact_match"] for s in by_filter["strict-match"].values()) / 3)
     assert score["flexible"] == pytest.approx(
         sum(s["exact_match"] for s in by_filter["flexible-extract"].values()) / 3)
-    if server.spec.mtp_k is not None:
-        sd = res["spec_decode"]
-        assert sd["num_drafts"] > 0 and 1.0 <= sd["mean_acceptance_length"] <= 2.0
-        assert len(sd["per_position_acceptance"]) == 1
-    else:
-        assert res["spec_decode"] is None
+    sd = res["spec_decode"]
+    assert sd["num_drafts"] > 0 and 1.0 <= sd["mean_acceptance_length"] <= 1.0 + K
+    assert len(sd["per_position_acceptance"]) == K
 
 
 @pytest.mark.engine
@@ -281,7 +268,7 @@ def test_ab_over_running_servers_compares_every_answer(server, tmp_path):
                         "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out)],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    mtp = "off" if server.spec.mtp_k is None else f"K={server.spec.mtp_k}"
+    mtp = f"K={K}"
     rows = [line for line in r.stdout.splitlines() if line.startswith(("| first |", "| again |"))]
     assert len(rows) == 2
     assert rows[0].startswith(f"| first | dsv4-tiny | {mtp} | ") and "| 3 | " in rows[0] and "(baseline)" in rows[0]

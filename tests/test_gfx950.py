@@ -16,11 +16,9 @@ hidden a multiple of 256 for AITER's mHC and MoE): the embedded model's are refu
 
 from __future__ import annotations
 
-import gc
-import os
-
 import pytest
 import torch
+from engines import drafter, vllm_engine
 
 pytestmark = [pytest.mark.gfx950, pytest.mark.engine]
 
@@ -28,28 +26,8 @@ GFX950_DIMS = dict(hidden_size=256, head_dim=512, qk_rope_head_dim=64, index_n_h
                    num_attention_heads=16, o_groups=4, moe_intermediate_size=256)
 
 
-@pytest.fixture(scope="module")
-def in_process():
-    """vLLM's engine in this process, so the test can reach the draft model object."""
-    import vllm.envs
-
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    yield
-    if old is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
-    vllm.envs.disable_envs_cache()
-
-
-def _drafter(llm):
-    core = llm.llm_engine.engine_core.engine_core
-    return core.model_executor.driver_worker.worker.model_runner.drafter.model
-
-
-def test_gfx950_draft_logits_equal_the_reference(in_process, tmp_path):
-    from vllm import LLM, SamplingParams
+def test_gfx950_draft_logits_equal_the_reference(tmp_path):
+    from vllm import SamplingParams
 
     from vllm_dsv4_mtp.gfx950.draft import DeepSeekV4MTPModel
     from vllm_dsv4_mtp.reference.mtp import ReferenceMTP
@@ -57,10 +35,10 @@ def test_gfx950_draft_logits_equal_the_reference(in_process, tmp_path):
 
     cfg = tiny_config(**GFX950_DIMS)
     ckpt = build_tiny_checkpoint(tmp_path / "bf16", cfg, seed=0)
-    llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    try:
-        draft = _drafter(llm)
+    # in-process: the test reaches the draft model object
+    with vllm_engine(ckpt, in_process=True, dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True,
+                     speculative_config={"method": "mtp", "num_speculative_tokens": 1}) as llm:
+        draft = drafter(llm)
         assert isinstance(draft, DeepSeekV4MTPModel)
         layer = draft.model.layers[str(cfg["num_hidden_layers"])]
         seen = []
@@ -73,9 +51,6 @@ def test_gfx950_draft_logits_equal_the_reference(in_process, tmp_path):
         prompt = torch.randint(3, 500, (64,), generator=torch.Generator().manual_seed(1)).tolist()
         llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2, temperature=0.0, detokenize=False))
         handle.remove()
-    finally:
-        del llm
-        gc.collect()
     assert seen, "the draft never ran its prompt catch-up step"
     ids, pos, hidden, got = seen[0]
     t, hc, d = pos.shape[0], cfg["hc_mult"], cfg["hidden_size"]
@@ -90,7 +65,7 @@ def test_gfx950_draft_logits_equal_the_reference(in_process, tmp_path):
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_gfx950_greedy_mtp_equals_mtp_off_and_is_accepted(tmp_path, k):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_dsv4_mtp.model.mtp_bench import spec_decode_from_llm
     from vllm_dsv4_mtp.testing.mtp_checkpoints import make_permutation_model, permutation_chain
@@ -103,15 +78,13 @@ def test_gfx950_greedy_mtp_equals_mtp_off_and_is_accepted(tmp_path, k):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, detokenize=False)
     outs = {}
     for spec in (None, {"method": "mtp", "num_speculative_tokens": k}):
-        llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True,
-                  disable_log_stats=False, speculative_config=spec)
-        try:
+        # in-process like the draft test above: one engine at a time in this process, each stopped with its
+        # distributed groups before the next starts, and no engine-core process forked from a process using the GPU
+        with vllm_engine(ckpt, in_process=True, dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True,
+                         disable_log_stats=False, speculative_config=spec) as llm:
             outs[spec is None] = [list(o.outputs[0].token_ids) for o in
                                   llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
             m = spec_decode_from_llm(llm.get_metrics())
-        finally:
-            del llm
-            gc.collect()
         if spec is not None:
             assert m is not None and m.num_drafts > 0
             # the MTP layer agrees with the target by construction: a wrong draft computation shows as rejections

@@ -14,7 +14,6 @@ KV cache equals HF's argmax over the full sequence at every step.
 from __future__ import annotations
 
 import operator
-import os
 
 import pytest
 import torch
@@ -45,14 +44,9 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(ckpt):
-    from vllm import LLM
-
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function to the worker
-    engine = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
-                 skip_tokenizer_init=True, seed=0)
-    yield engine
-    del engine
+def llm(ckpt, start_engine):
+    return start_engine(ckpt, apply_model=True, dtype="float32", enforce_eager=True, max_model_len=1024,
+                        max_num_seqs=8, skip_tokenizer_init=True, seed=0)
 
 
 @pytest.fixture(scope="module")

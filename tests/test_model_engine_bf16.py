@@ -35,15 +35,9 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(ckpt):
-    import os
-
-    from vllm import LLM
-
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    engine = LLM(model=str(ckpt), dtype="bfloat16", enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0)
-    yield engine
-    del engine
+def llm(ckpt, start_engine):
+    return start_engine(ckpt, apply_model=True, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
+                        max_num_seqs=8, seed=0)
 
 
 def _prompts(lens, seed):

@@ -15,8 +15,6 @@ hit) round, which must also produce the same tokens.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -38,20 +36,10 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(ckpt):
-    from vllm import LLM
-
-    old = os.environ.get("VLLM_MLA_DISABLE")
-    os.environ["VLLM_MLA_DISABLE"] = "1"
-    engine = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
-                 skip_tokenizer_init=True, enable_chunked_prefill=True, max_num_batched_tokens=64,
-                 enable_prefix_caching=True, seed=0)
-    yield engine
-    del engine
-    if old is None:
-        os.environ.pop("VLLM_MLA_DISABLE", None)
-    else:
-        os.environ["VLLM_MLA_DISABLE"] = old
+def llm(ckpt, start_engine):
+    return start_engine(ckpt, env={"VLLM_MLA_DISABLE": "1"}, dtype="float32", enforce_eager=True,
+                        max_model_len=1024, max_num_seqs=8, skip_tokenizer_init=True, enable_chunked_prefill=True,
+                        max_num_batched_tokens=64, enable_prefix_caching=True, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import operator
-import os
 
 import pytest
 import torch
@@ -37,14 +36,9 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(ckpt):
-    from vllm import LLM
-
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    engine = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
-                 skip_tokenizer_init=True, seed=0)
-    yield engine
-    del engine
+def llm(ckpt, start_engine):
+    return start_engine(ckpt, apply_model=True, dtype="float32", enforce_eager=True, max_model_len=1024,
+                        max_num_seqs=8, skip_tokenizer_init=True, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,8 @@ def ckpts(tmp_path_factory):
     }.items()}
 
 
-def test_bf16_checkpoint_loads_every_tensor(vllm_dist, ckpts):
+@pytest.mark.usefixtures("vllm_dist")
+def test_bf16_checkpoint_loads_every_tensor(ckpts):
     model = _build(ckpts["bf16"])
     tensors = _tensors(ckpts["bf16"])
     loaded = model.load_weights(tensors.items())
@@ -125,7 +126,8 @@ def _decoded(tensors, name, scale_suffix, dtype):
                             tensors[name + scale_suffix].view(torch.uint8), dtype=dtype)
 
 
-def test_official_layout_decodes_to_the_bf16_weights(vllm_dist, ckpts):
+@pytest.mark.usefixtures("vllm_dist")
+def test_official_layout_decodes_to_the_bf16_weights(ckpts):
     """FP8 linears decode (exact block scales) to within FP8 rounding of the BF16 source; FP4 experts equal the
     exact decode of their bytes (int8 codes, F8_E8M0 scales read as raw bytes), weight-only (W4A16)."""
     from vllm_dsv4_mtp.formats.fp8 import dequantize_block_fp8
@@ -143,7 +145,8 @@ def test_official_layout_decodes_to_the_bf16_weights(vllm_dist, ckpts):
     assert model.describe()["expert_activation_quant"] == [False] * 4
 
 
-def test_quark_mxfp4_checkpoint_loads(vllm_dist, ckpts):
+@pytest.mark.usefixtures("vllm_dist")
+def test_quark_mxfp4_checkpoint_loads(ckpts):
     model = _build(ckpts["mxfp4"], dtype="bfloat16")
     tensors = _tensors(ckpts["mxfp4"])
     model.load_weights(tensors.items())
@@ -161,7 +164,8 @@ def test_quark_mxfp4_checkpoint_loads(vllm_dist, ckpts):
     ("ids", r"layers\.0\.ffn\.gate\.tid2eid: expert ids must lie in \[0, 8\)"),
     ("dtype", r"hc_head_fn: stored as torch\.bfloat16, expected F32 \(the DeepSeek-V4 layout\)"),
 ])
-def test_bad_checkpoints_are_errors_naming_the_tensor(vllm_dist, ckpts, breakage, message):
+@pytest.mark.usefixtures("vllm_dist")
+def test_bad_checkpoints_are_errors_naming_the_tensor(ckpts, breakage, message):
     model = _build(ckpts["bf16"])
     tensors = _tensors(ckpts["bf16"])
     if breakage == "drop":
@@ -181,7 +185,8 @@ def test_bad_checkpoints_are_errors_naming_the_tensor(vllm_dist, ckpts, breakage
         model.load_weights(tensors.items())
 
 
-def test_fp8_weight_without_scale_is_an_error(vllm_dist, ckpts):
+@pytest.mark.usefixtures("vllm_dist")
+def test_fp8_weight_without_scale_is_an_error(ckpts):
     model = _build(ckpts["official"], dtype="bfloat16")
     tensors = _tensors(ckpts["official"])
     del tensors["layers.0.attn.wo_a.scale"]
@@ -190,7 +195,8 @@ def test_fp8_weight_without_scale_is_an_error(vllm_dist, ckpts):
         model.load_weights(tensors.items())
 
 
-def test_mxfp4_expert_without_scale_is_an_error(vllm_dist, ckpts):
+@pytest.mark.usefixtures("vllm_dist")
+def test_mxfp4_expert_without_scale_is_an_error(ckpts):
     model = _build(ckpts["mxfp4"], dtype="bfloat16")
     tensors = _tensors(ckpts["mxfp4"])
     del tensors["layers.3.ffn.experts.6.w1.weight_scale"]
@@ -199,7 +205,8 @@ def test_mxfp4_expert_without_scale_is_an_error(vllm_dist, ckpts):
         model.load_weights(tensors.items())
 
 
-def test_mtp_tensors_are_skipped_on_purpose(vllm_dist, ckpts):
+@pytest.mark.usefixtures("vllm_dist")
+def test_mtp_tensors_are_skipped_on_purpose(ckpts):
     model = _build(ckpts["bf16"])
     tensors = _tensors(ckpts["bf16"])
     assert any(n.startswith("mtp.0.") for n in tensors)
@@ -207,7 +214,8 @@ def test_mtp_tensors_are_skipped_on_purpose(vllm_dist, ckpts):
     model.load_weights(tensors.items())
 
 
-def test_mxfp4_shared_experts_fse_layout(vllm_dist, ckpts):
+@pytest.mark.usefixtures("vllm_dist")
+def test_mxfp4_shared_experts_fse_layout(ckpts):
     """The AMD export's main-layer shared experts are MXFP4 (packed + E8M0): decoded exactly at load and run with
     the W4A4 activation rounding of the routed experts."""
     from vllm_dsv4_mtp.formats import mxfp4

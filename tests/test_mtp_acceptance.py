@@ -11,8 +11,6 @@ near 100 % at every draft position. The random-MTP counterpart (acceptance near 
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -34,15 +32,10 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(model):
-    from vllm import LLM
-
-    engine = LLM(model=str(model[0]), dtype="bfloat16", enforce_eager=True, max_model_len=512, max_num_seqs=8,
-                 skip_tokenizer_init=True, seed=0, disable_log_stats=False,
-                 speculative_config={"method": "mtp", "num_speculative_tokens": K})
-    yield engine
-    del engine
-    gc.collect()
+def llm(model, start_engine):
+    return start_engine(model[0], dtype="bfloat16", enforce_eager=True, max_model_len=512, max_num_seqs=8,
+                        skip_tokenizer_init=True, seed=0, disable_log_stats=False,
+                        speculative_config={"method": "mtp", "num_speculative_tokens": K})
 
 
 def _prompts(vocab=512, seed=11):

@@ -19,11 +19,9 @@ Chunked prefill (prompts prefilled, and drafted over, in pieces) is checked agai
 
 from __future__ import annotations
 
-import gc
-import os
-
 import pytest
 import torch
+from engines import vllm_engine
 
 pytestmark = pytest.mark.engine
 
@@ -51,7 +49,7 @@ def _prompts(vocab=512, seed=21):
 @pytest.fixture(scope="module")
 def generate(ckpt):
     """``generate(k)``: greedy outputs and spec-decode counters of an engine with K = k drafts (0 = MTP off)."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_dsv4_mtp.model.mtp_bench import spec_decode_from_llm
 
@@ -60,14 +58,12 @@ def generate(ckpt):
     def run(k: int):
         if k not in cache:
             sc = {"method": "mtp", "num_speculative_tokens": k} if k else None
-            llm = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
-                      skip_tokenizer_init=True, seed=0, speculative_config=sc, disable_log_stats=False)
-            outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()],
-                                SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                               detokenize=False), use_tqdm=False)
-            cache[k] = ([list(o.outputs[0].token_ids) for o in outs], spec_decode_from_llm(llm.get_metrics()))
-            del llm
-            gc.collect()
+            with vllm_engine(ckpt, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
+                             skip_tokenizer_init=True, seed=0, speculative_config=sc, disable_log_stats=False) as llm:
+                outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()],
+                                    SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                                   detokenize=False), use_tqdm=False)
+                cache[k] = ([list(o.outputs[0].token_ids) for o in outs], spec_decode_from_llm(llm.get_metrics()))
         return cache[k]
 
     return run
@@ -98,17 +94,16 @@ def test_greedy_outputs_equal_mtp_off(generate, k):
 def test_chunked_prefill_with_mtp_follows_the_target(ckpt):
     """K = 2 with chunked prefill (64-token budget) and prompts of 20 / 130 / 200 tokens: every greedy token is
     HF's float32 argmax over the whole sequence (the target's function, teacher-forced)."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement, load_hf_model
     from vllm_dsv4_mtp.model.mtp_bench import spec_decode_from_llm
 
-    old = os.environ.get("VLLM_MLA_DISABLE")
-    os.environ["VLLM_MLA_DISABLE"] = "1"  # vLLM otherwise forces chunked prefill off for model_type deepseek_v4
-    try:
-        llm = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
-                  skip_tokenizer_init=True, seed=0, disable_log_stats=False, enable_chunked_prefill=True,
-                  max_num_batched_tokens=64, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    # VLLM_MLA_DISABLE: vLLM otherwise forces chunked prefill off for model_type deepseek_v4
+    with vllm_engine(ckpt, env={"VLLM_MLA_DISABLE": "1"}, dtype="float32", enforce_eager=True, max_model_len=512,
+                     max_num_seqs=4, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
+                     enable_chunked_prefill=True, max_num_batched_tokens=64,
+                     speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
         assert llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
         g = torch.Generator().manual_seed(22)
         prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (20, 130, 200)]
@@ -116,13 +111,6 @@ def test_chunked_prefill_with_mtp_follows_the_target(ckpt):
                             SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False),
                             use_tqdm=False)
         spec = spec_decode_from_llm(llm.get_metrics())
-        del llm
-        gc.collect()
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_MLA_DISABLE", None)
-        else:
-            os.environ["VLLM_MLA_DISABLE"] = old
     assert spec is not None and spec.num_drafts > 0
     r = greedy_agreement(outs, prompts, load_hf_model(ckpt))
     assert r["steps"] == 3 * 8 and r["mismatches"] == 0, r

@@ -11,13 +11,12 @@ behaviour for ``num_nextn_predict_layers: 0``.
 
 from __future__ import annotations
 
-import gc
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from engines import vllm_engine
 
 from vllm_dsv4_mtp import draft_policy as mtp_policy
 
@@ -139,7 +138,8 @@ def _tensors(ckpt):
     return {name: reader.get(name) for name in reader.names()}
 
 
-def test_bf16_checkpoint_loads_every_draft_parameter(vllm_dist, ckpts):
+@pytest.mark.usefixtures("vllm_dist")
+def test_bf16_checkpoint_loads_every_draft_parameter(ckpts):
     draft = _build_draft(ckpts["bf16"])
     tensors = _tensors(ckpts["bf16"])
     loaded = draft.load_weights(iter(tensors.items()))
@@ -154,7 +154,8 @@ def test_bf16_checkpoint_loads_every_draft_parameter(vllm_dist, ckpts):
     assert not draft.is_unused_checkpoint_weight("mtp.0.e_proj.weight")
 
 
-def test_draft_never_takes_the_targets_quant_config(vllm_dist, ckpts, monkeypatch):
+@pytest.mark.usefixtures("vllm_dist")
+def test_draft_never_takes_the_targets_quant_config(ckpts, monkeypatch):
     """Built under a quantized checkpoint's config, every draft linear is unquantized and its experts BF16."""
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
@@ -173,7 +174,8 @@ def test_draft_never_takes_the_targets_quant_config(vllm_dist, ckpts, monkeypatc
         assert draft.model.layer(0).mtp_block.ffn.experts.w13_weight.dtype == torch.bfloat16
 
 
-def test_quantized_mtp_is_refused_on_request(vllm_dist, ckpts, monkeypatch):
+@pytest.mark.usefixtures("vllm_dist")
+def test_quantized_mtp_is_refused_on_request(ckpts, monkeypatch):
     monkeypatch.setenv(ENV, "refuse")
     with pytest.raises(mtp_policy.MtpPrecisionError) as e:
         _build_draft(ckpts["official"])
@@ -182,7 +184,8 @@ def test_quantized_mtp_is_refused_on_request(vllm_dist, ckpts, monkeypatch):
                             "modules) is declared fp8-block by quantization_config" + REFUSAL_TAIL)
 
 
-def test_quantized_mtp_tensor_refused_even_if_config_says_bf16(vllm_dist, ckpts, monkeypatch):
+@pytest.mark.usefixtures("vllm_dist")
+def test_quantized_mtp_tensor_refused_even_if_config_says_bf16(ckpts, monkeypatch):
     """A BF16-declared checkpoint with an FP8 MTP tensor: the tensor itself is refused, by name."""
     from vllm_dsv4_mtp.formats.fp8 import quantize_block_fp8
 
@@ -197,7 +200,8 @@ def test_quantized_mtp_tensor_refused_even_if_config_says_bf16(vllm_dist, ckpts,
                             + REFUSAL_TAIL)
 
 
-def test_quantized_mtp_is_dequantized_exactly_by_default(vllm_dist, ckpts, monkeypatch):
+@pytest.mark.usefixtures("vllm_dist")
+def test_quantized_mtp_is_dequantized_exactly_by_default(ckpts, monkeypatch):
     from vllm_dsv4_mtp.formats import mxfp4
     from vllm_dsv4_mtp.formats.fp8 import dequantize_block_fp8
 
@@ -223,8 +227,8 @@ NO_MTP_TAIL = ("speculative decoding with method 'mtp' needs the checkpoint's MT
 
 
 @pytest.mark.parametrize("option", ["dequantize", "refuse"])
-def test_checkpoint_without_mtp_weights_is_an_error_before_any_precision_question(vllm_dist, ckpts, monkeypatch,
-                                                                                   option):
+@pytest.mark.usefixtures("vllm_dist")
+def test_checkpoint_without_mtp_weights_is_an_error_before_any_precision_question(ckpts, monkeypatch, option):
     """The draft's constructor reads the checkpoint's tensor names: no mtp.* is said first, also for a
     quantized export whose config would otherwise be refused for its precision (what ``quantize
     --allow-missing-mtp`` writes)."""
@@ -235,7 +239,8 @@ def test_checkpoint_without_mtp_weights_is_an_error_before_any_precision_questio
         assert str(e.value) == f"{ckpts[name]}: {NO_MTP_TAIL}"
 
 
-def test_missing_or_misshaped_mtp_tensor_is_named(vllm_dist, ckpts):
+@pytest.mark.usefixtures("vllm_dist")
+def test_missing_or_misshaped_mtp_tensor_is_named(ckpts):
     tensors = _tensors(ckpts["bf16"])
     without = {k: v for k, v in tensors.items() if k != "mtp.0.ffn.experts.6.w2.weight"}
     with pytest.raises(ValueError) as e:
@@ -276,20 +281,9 @@ def test_num_nextn_predict_layers_zero_fails_in_vllm(tmp_path):
 @pytest.mark.engine
 def test_engine_start_without_mtp_weights_fails_naming_the_checkpoint(ckpts):
     """The real engine (in-process, so the worker's exception reaches the caller unchanged)."""
-    import vllm.envs
-    from vllm import LLM
-
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        with pytest.raises(ValueError) as e:
-            LLM(model=str(ckpts["no-mtp"]), dtype="bfloat16", enforce_eager=True, max_model_len=256,
-                skip_tokenizer_init=True, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-        assert str(e.value) == f"{ckpts['no-mtp']}: {NO_MTP_TAIL}"
-    finally:
-        gc.collect()
-        if old is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
-        vllm.envs.disable_envs_cache()
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError) as e:
+        with vllm_engine(ckpts["no-mtp"], in_process=True, dtype="bfloat16", enforce_eager=True, max_model_len=256,
+                         skip_tokenizer_init=True, speculative_config=spec):
+            pass  # not reached: the engine must not start
+    assert str(e.value) == f"{ckpts['no-mtp']}: {NO_MTP_TAIL}"

@@ -16,11 +16,9 @@ indexer has 64 heads so its top-k has no exact ties.
 
 from __future__ import annotations
 
-import gc
-import os
-
 import pytest
 import torch
+from engines import drafter
 
 pytestmark = pytest.mark.engine
 
@@ -30,12 +28,6 @@ PROMPT_LENS = (160, 9, 37)
 # std ~2; a wrong mask, rope, norm, position-0 mask or stream mix moves them by > 1e-2
 LOGIT_ATOL = 1e-4
 HIDDEN_ATOL = 1e-4
-
-
-def _drafter(llm):
-    """The draft model object of an in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) CPU engine."""
-    core = llm.llm_engine.engine_core.engine_core
-    return core.model_executor.driver_worker.worker.model_runner.drafter.model
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +42,15 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def run(ckpt):
+def run(ckpt, start_engine):
     """Generate 2 tokens per prompt with K = 3 and record the draft's first round."""
-    import vllm.envs
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the test reads the drafter's inputs in-process
-    llm = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
-              skip_tokenizer_init=True, seed=0, speculative_config={"method": "mtp", "num_speculative_tokens": K})
-    draft = _drafter(llm)
+    # in-process: the test reads the drafter's inputs
+    llm = start_engine(ckpt, in_process=True, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
+                       skip_tokenizer_init=True, seed=0,
+                       speculative_config={"method": "mtp", "num_speculative_tokens": K})
+    draft = drafter(llm)
     calls = []
 
     def record(module, args, kwargs, out):
@@ -74,18 +65,7 @@ def run(ckpt):
                             SamplingParams(max_tokens=2, temperature=0.0, detokenize=False))
     finally:
         handle.remove()
-    yield {"draft": draft, "calls": calls, "prompts": prompts, "outs": outs}
-    del llm, draft
-    gc.collect()
-    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
-
-    destroy_model_parallel()  # the in-process engine's world-size-1 group; later modules may build their own
-    destroy_distributed_environment()
-    if old is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
-    vllm.envs.disable_envs_cache()  # the in-process engine core froze vLLM's env reads; let later modules see theirs
+    return {"draft": draft, "calls": calls, "prompts": prompts, "outs": outs}
 
 
 @pytest.fixture(scope="module")

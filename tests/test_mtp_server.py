@@ -1,7 +1,7 @@
 """The MTP draft through vLLM's OpenAI server: concurrent requests, lossless greedy outputs, /metrics.
 
-One server (``python -m vllm.entrypoints.openai.api_server``, float32, ``--speculative-config
-{"method": "mtp", "num_speculative_tokens": 2}``) on a random tiny checkpoint (head scaled x4, routing fixed by
+One server (``dsv4-mtp serve --profile cpu-tiny`` through ``ManagedServer``, with ``--dtype float32`` and the
+profile's MTP speculative config at K = 2) on a random tiny checkpoint (head scaled x4, routing fixed by
 ``sharpen_routing``, 64 indexer heads). 8 greedy requests sent at once must each produce, at every step, the
 argmax of HF transformers' float32 forward over the whole sequence (the target without speculation); sampled
 requests run alongside; the server's ``/metrics`` counters, read with ``vllm_dsv4_mtp.serve.metrics``, show
@@ -10,26 +10,17 @@ one draft of K tokens per verify step.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
-from vllm_dsv4_mtp.evaluate.server import free_port
+from servers import post_json
 
 pytestmark = pytest.mark.engine
 
 K = 2
 PROMPT_LENS = (4, 11, 23, 40, 64, 97, 131, 150)
 MAX_TOKENS = 10
-START_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -44,48 +35,10 @@ def ckpt(tmp_path_factory):
     return d
 
 
-def _get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read()
-
-
-def _post(url: str, body: dict, timeout: float = 300.0) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
 @pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("mtp-server-log") / "server.log"
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
-            "--served-model-name", "dsv4-tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-            "--max-num-seqs", "8", "--port", str(port), "--seed", "0",
-            "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": K})]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-6000:]}")
-            try:
-                _get(url + "/health", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"server not healthy after {START_TIMEOUT_S} s:\n{log.read_text()[-6000:]}")
-                time.sleep(2)
-        yield url, log
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def server(ckpt, start_server):
+    """The profile's flags (8 sequences, eager, served as dsv4-tiny), in float32 like the HF oracle."""
+    return start_server(ckpt, mtp_k=K, extra_args=["--dtype", "float32", "--max-model-len", "512", "--seed", "0"])
 
 
 def _prompts(vocab=512, seed=31):
@@ -96,13 +49,16 @@ def _prompts(vocab=512, seed=31):
 def _complete(url, prompt, **kw):
     body = {"model": "dsv4-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "return_token_ids": True, **kw}
-    choice = _post(url + "/v1/completions", body)["choices"][0]
+    choice = post_json(url + "/v1/completions", body)["choices"][0]
     return list(choice["token_ids"])
 
 
 def test_the_plugin_draft_serves_mtp(server):
-    _, log = server
-    text = log.read_text()
+    text = server.log_path.read_text()
+    # the wrapper's printed command: float32 (what the HF comparison needs) and the profile's MTP config at K
+    assert "  --dtype float32 \\\n" in text
+    spec = '{"method":"mtp","num_speculative_tokens":%d}' % K
+    assert f"  --speculative-config '{spec}' \\\n" in text
     assert "DeepSeek-V4 MTP draft served by the plugin's portable vllm_dsv4_mtp.model.mtp.DeepSeekV4MTPModel" in text
     assert "Shared target model lm_head with MTP shared_head.head." in text
 
@@ -112,7 +68,7 @@ def test_concurrent_requests_lossless_and_counted(server, ckpt):
     from vllm_dsv4_mtp.testing.hf_oracle import hf_logprobs, load_hf_model
     from vllm_dsv4_mtp.serve.metrics import scrape
 
-    url, _ = server
+    url = server.base_url
     before = scrape(url)
     prompts = _prompts()
     with ThreadPoolExecutor(max_workers=12) as pool:

@@ -11,10 +11,9 @@ back from the same engine's prompt log-probabilities of the generated sequence).
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
+from engines import vllm_engine
 
 from vllm_dsv4_mtp.testing.published_layouts import build_published, config_of, stored_dtypes
 
@@ -67,14 +66,13 @@ def _argmax_of_target(llm, prompt, generated):
 @pytest.mark.engine
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_published_layout_serves_with_the_mtp_draft(ckpts, layout):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_dsv4_mtp.model.mtp_bench import spec_decode_from_llm
 
-    llm = LLM(model=str(ckpts[layout]), dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4,
-              skip_tokenizer_init=True, seed=0, disable_log_stats=False,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    try:
+    with vllm_engine(ckpts[layout], dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4,
+                     skip_tokenizer_init=True, seed=0, disable_log_stats=False,
+                     speculative_config={"method": "mtp", "num_speculative_tokens": 1}) as llm:
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 40)]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -86,6 +84,3 @@ def test_published_layout_serves_with_the_mtp_draft(ckpts, layout):
             gen = list(o.outputs[0].token_ids)
             assert len(gen) == 12
             assert gen == _argmax_of_target(llm, p, gen), layout
-    finally:
-        del llm
-        gc.collect()

@@ -1,11 +1,10 @@
 """End to end: `dsv4-mtp serve --profile cpu-tiny` serves a tiny DeepSeek-V4 on CPU through vLLM's OpenAI server,
 answers /v1/completions, exports /metrics, and stops cleanly on SIGINT and on SIGTERM with no process left.
 
-The model is the embedded model in MXFP4: the shipped MXFP4 checkpoint when it is built, else the shipped BF16
-checkpoint quantized here by ``quant/`` (what ``make demo`` serves), else, on a checkout that does not carry
-the embedded assets yet, a random tiny MXFP4 checkpoint from the tiny builder. The profile's MTP speculative
-config is always kept: the server must draft with the plugin's ``DeepSeekV4MTPModel`` and export spec-decode
-counters.
+The model is the shipped MXFP4 checkpoint (what ``make demo`` serves). The profile's MTP speculative config is
+kept: the server must draft with the plugin's ``DeepSeekV4MTPModel`` and export spec-decode counters. This test
+starts the server itself rather than through ``ManagedServer``: what it checks is the launcher's own process
+(exec into vLLM's server, its engine-core children, the exit on each signal).
 """
 
 from __future__ import annotations
@@ -16,10 +15,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from servers import get, post_json
 
 from vllm_dsv4_mtp.evaluate.server import free_port
 from vllm_dsv4_mtp.serve.metrics import spec_decode_metrics
@@ -27,34 +26,6 @@ from vllm_dsv4_mtp.serve.metrics import spec_decode_metrics
 pytestmark = pytest.mark.engine
 
 START_TIMEOUT_S = 420  # engine start on 2 shared cores (measured ~70 s alone)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR, MXFP4_CHECKPOINT_DIR
-
-    if (MXFP4_CHECKPOINT_DIR / "config.json").is_file():
-        return str(MXFP4_CHECKPOINT_DIR)
-    out = tmp_path_factory.mktemp("tiny") / "ckpt"
-    if (BF16_CHECKPOINT_DIR / "config.json").is_file():
-        from vllm_dsv4_mtp.quant.quantize import quantize_checkpoint
-
-        quantize_checkpoint(BF16_CHECKPOINT_DIR, out, progress=False)
-        return str(out)
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
-
-    return str(build_tiny_checkpoint(out, experts="mxfp4"))
-
-
-def _get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read()
-
-
-def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
 
 
 def _start(model: str, port: int, log: Path) -> subprocess.Popen:
@@ -71,7 +42,7 @@ def _wait_healthy(proc: subprocess.Popen, port: int, log: Path) -> None:
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode} before becoming healthy:\n{log.read_text()[-6000:]}")
         try:
-            if _get(f"http://127.0.0.1:{port}/health", timeout=2) is not None:
+            if get(f"http://127.0.0.1:{port}/health", timeout=2) is not None:
                 return
         except OSError:
             time.sleep(2)
@@ -80,12 +51,12 @@ def _wait_healthy(proc: subprocess.Popen, port: int, log: Path) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_cpu_tiny_serves_completions_and_stops_cleanly(tiny_model, tmp_path, sig):
+def test_cpu_tiny_serves_completions_and_stops_cleanly(embedded_mxfp4, tmp_path, sig):
     import psutil
 
     port = free_port()
     log = tmp_path / "server.log"
-    proc = _start(tiny_model, port, log)
+    proc = _start(str(embedded_mxfp4), port, log)
     try:
         _wait_healthy(proc, port, log)
         text = log.read_text()
@@ -98,11 +69,11 @@ def test_cpu_tiny_serves_completions_and_stops_cleanly(tiny_model, tmp_path, sig
         assert any("EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline()) for c in children), \
             [(c.pid, c.name()) for c in children]
 
-        models = json.loads(_get(f"http://127.0.0.1:{port}/v1/models"))
+        models = json.loads(get(f"http://127.0.0.1:{port}/v1/models"))
         assert [m["id"] for m in models["data"]] == ["dsv4-tiny"]
-        out = _post(f"http://127.0.0.1:{port}/v1/completions",
-                    {"model": "dsv4-tiny", "prompt": "Tom has 3 apples and buys 4 more.", "max_tokens": 8,
-                     "temperature": 0})
+        out = post_json(f"http://127.0.0.1:{port}/v1/completions",
+                        {"model": "dsv4-tiny", "prompt": "Tom has 3 apples and buys 4 more.", "max_tokens": 8,
+                         "temperature": 0}, timeout=120)
         choice = out["choices"][0]
         assert isinstance(choice["text"], str)
         assert out["usage"]["completion_tokens"] == 8 or choice["finish_reason"] == "stop"
@@ -110,7 +81,7 @@ def test_cpu_tiny_serves_completions_and_stops_cleanly(tiny_model, tmp_path, sig
 
         # the profile's MTP speculative config reached vLLM, and the draft really proposed tokens
         assert '--speculative-config \'{"method":"mtp","num_speculative_tokens":2}\'' in text
-        m = spec_decode_metrics(_get(f"http://127.0.0.1:{port}/metrics").decode())
+        m = spec_decode_metrics(get(f"http://127.0.0.1:{port}/metrics").decode())
         assert m is not None and m.num_drafts > 0 and m.mean_acceptance_length >= 1.0
     except BaseException:
         proc.kill()

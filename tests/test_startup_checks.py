@@ -5,12 +5,11 @@ A truncated shard is named by the target model's header check (formats/shards.py
 
 from __future__ import annotations
 
-import gc
 import json
-import os
 from pathlib import Path
 
 import pytest
+from engines import vllm_engine
 
 from vllm_dsv4_mtp.formats.checkpoint import CheckpointError
 from vllm_dsv4_mtp.startup_checks import StartupCheckError
@@ -87,20 +86,8 @@ def test_missing_config_json_is_vllms_own_message(ckpts, tmp_path):
 
 
 def _llm(model: Path, **kw):
-    """An in-process engine (so the worker's exception reaches the caller unchanged)."""
-    import vllm.envs
-    from vllm import LLM
-
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        return LLM(model=str(model), dtype="bfloat16", enforce_eager=True, max_model_len=256, **kw)
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
-        vllm.envs.disable_envs_cache()
+    """``with _llm(...) as llm:`` an in-process engine (so the worker's exception reaches the caller unchanged)."""
+    return vllm_engine(model, in_process=True, dtype="bfloat16", enforce_eager=True, max_model_len=256, **kw)
 
 
 @pytest.mark.engine
@@ -108,8 +95,8 @@ def test_negative_hidden_size_without_the_config_format_dies_in_vllm(ckpts):
     """What vLLM says by itself: its model runner allocates [tokens, hidden_size] buffers before any plugin code
     runs (GPUModelRunner.__init__, torch.zeros)."""
     with pytest.raises(RuntimeError, match=r"^zeros: Dimension size must be non-negative\.$"):
-        _llm(ckpts["neg"], skip_tokenizer_init=True)
-    gc.collect()
+        with _llm(ckpts["neg"], skip_tokenizer_init=True):
+            pass  # not reached: the engine must not start
 
 
 RATIOS = ("field 'compress_ratios' has 4 entries, expected num_hidden_layers + num_nextn_predict_layers = 4 + 1 = 5 "
@@ -129,9 +116,9 @@ def test_malformed_field_without_it_is_named_by_the_model(ckpts):
     from vllm_dsv4_mtp.config import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        _llm(ckpts["ratios"], skip_tokenizer_init=True)
+        with _llm(ckpts["ratios"], skip_tokenizer_init=True):
+            pass  # not reached: the engine must not start
     assert str(e.value) == f"{ckpts['ratios'] / 'config.json'}: {RATIOS}"
-    gc.collect()
 
 
 @pytest.mark.engine
@@ -139,13 +126,13 @@ def test_truncated_shard_is_named_at_engine_start(ckpts):
     """The target model's constructor checks every shard header before vLLM's safetensors reader opens them (which
     would say 'incomplete metadata, file not fully covered', naming no file)."""
     with pytest.raises(CheckpointError) as e:
-        _llm(ckpts["trunc"], skip_tokenizer_init=True)
+        with _llm(ckpts["trunc"], skip_tokenizer_init=True):
+            pass  # not reached: the engine must not start
     f = ckpts["trunc"] / "model.safetensors"
     size = f.stat().st_size
     assert str(e.value).startswith(f"{f}: truncated safetensors file: its header describes ")
     assert str(e.value).endswith(f" data bytes (through tensor 'norm.weight') but the file holds only "
                                  f"{size - 8 - _header_len(f)}")
-    gc.collect()
 
 
 def _header_len(f: Path) -> int:
@@ -159,9 +146,7 @@ def test_a_good_checkpoint_serves_with_the_config_format_and_mtp(ckpts):
     """The parser is vLLM's HF parser plus checks: a good checkpoint starts with the MTP draft and generates."""
     from vllm import SamplingParams
 
-    llm = _llm(ckpts["good"], config_format="dsv4_mtp", speculative_config={"method": "mtp",
-                                                                            "num_speculative_tokens": 2})
-    out = llm.generate([{"prompt_token_ids": [0, 17, 42, 99, 5]}], SamplingParams(max_tokens=8, temperature=0.0))
+    with _llm(ckpts["good"], config_format="dsv4_mtp",
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+        out = llm.generate([{"prompt_token_ids": [0, 17, 42, 99, 5]}], SamplingParams(max_tokens=8, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 8
-    del llm
-    gc.collect()

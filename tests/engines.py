@@ -1,0 +1,84 @@
+"""vLLM engines for tests: :func:`vllm_engine` starts one ``LLM``, sets the environment the test asks for, and
+always restores the environment and shuts the engine down (``tests/conftest.py``'s ``start_engine`` keeps one
+for a module's tests).
+
+What a test may ask for, each an explicit flag:
+
+* ``apply_model``: ``LLM.apply_model`` pickles a function to the worker, which vLLM allows only with
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (read when the function is sent, so it stays set while the engine lives);
+* ``in_process``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the engine core in this process, so the test reaches the
+  model objects (:func:`drafter`) and a worker's exception reaches the caller unchanged. Such an engine builds
+  vLLM's distributed groups in this process; they are destroyed when it stops, and vLLM's env cache (frozen by
+  an in-process engine core) is reset;
+* ``env``: any other variable the engine must start with (``VLLM_MLA_DISABLE=1`` keeps chunked prefill on for
+  model_type deepseek_v4 on CPUs without AMX).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+
+@contextmanager
+def vllm_engine(model: str | Path, *, in_process: bool = False, apply_model: bool = False,
+                env: Mapping[str, str] | None = None, **llm_kwargs) -> Iterator[LLM]:
+    """``with vllm_engine(ckpt, dtype="float32", ...) as llm:`` an ``LLM(model=str(ckpt), **llm_kwargs)``.
+
+    Raises what ``LLM(...)`` raises (after the same clean-up), so ``pytest.raises`` around the ``with`` checks an
+    engine that must fail to start.
+    """
+    import torch.distributed
+    import vllm.envs
+    from vllm import LLM
+
+    settings = dict(env or {})
+    if apply_model:
+        settings["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if in_process:
+        settings["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # groups already up belong to the caller (the vllm_dist fixture): an in-process engine joins them
+    borrowed = in_process and torch.distributed.is_initialized()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in settings.items():
+                mp.setenv(key, value)
+            vllm.envs.disable_envs_cache()  # a cached read from before would hide what was just set
+            llm = None
+            try:
+                llm = LLM(model=str(model), **llm_kwargs)
+                if borrowed:  # only a start that fails may join them: stopping a running engine destroys them
+                    raise RuntimeError("an in-process engine started inside an initialised vLLM distributed "
+                                       "environment (the vllm_dist fixture): stopping it would destroy those groups")
+                yield llm
+            finally:
+                _shut_down(llm, in_process and not borrowed)
+    finally:
+        vllm.envs.disable_envs_cache()  # the restored environment is what vLLM reads next
+
+
+def _shut_down(llm, destroy_groups: bool) -> None:
+    """Stop the engine core (its process, or in this process its executor), then what an in-process start left:
+    vLLM's distributed groups and memory (also when ``LLM(...)`` failed half way, after the worker joined them)."""
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    if destroy_groups:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+
+
+def drafter(llm):
+    """The speculative draft model object of an in-process (``in_process=True``) engine on one device."""
+    core = llm.llm_engine.engine_core.engine_core
+    return core.model_executor.driver_worker.worker.model_runner.drafter.model

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_dsv4_mtp.kernels.attention_metadata import PortableAttentionMetadata
+from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
 
 
 class PagedSequences:

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dsv4_mtp.kernels import attention_core as ac
-from vllm_dsv4_mtp.kernels.attention_metadata import SEGMENT, PortableAttentionMetadata
+from vllm_dsv4_mtp.model import paged_cache as ac
+from vllm_dsv4_mtp.model.attention_metadata import SEGMENT, PortableAttentionMetadata
 
 
 def test_platform_choice():
@@ -41,12 +41,12 @@ def test_entries_live_in_channels_only_their_own_block_reads():
     d, di = 512, 128
     # C4 row: kv [0, d) | c [d, 3d) | z [3d, 5d) | c_I [5d, 5d + 2dI) | z_I [.., 5d + 4dI)
     c4 = ac.entry_channels(4, d, di)
-    assert c4 == {"kv": 0, "cz": d, "entry": 2 * d, "icz": 5 * d, "ikey": 5 * d + di}
+    assert c4 == {"kv": 0, "kv_gate": d, "entry": 2 * d, "index_kv_gate": 5 * d, "ikey": 5 * d + di}
     # the entry overwrites c[d:2d] (second half: pooled only into the row's own block), the key c_I[dI:2dI]
-    assert c4["entry"] == c4["cz"] + d and c4["ikey"] == c4["icz"] + di
+    assert c4["entry"] == c4["kv_gate"] + d and c4["ikey"] == c4["index_kv_gate"] + di
     assert c4["ikey"] + di <= ac.layer_row_width(4, d, di)
     c128 = ac.entry_channels(128, d, di)
-    assert c128 == {"kv": 0, "cz": d, "entry": d}  # c[0:d] of the completing row (disjoint blocks)
+    assert c128 == {"kv": 0, "kv_gate": d, "entry": d}  # c[0:d] of the completing row (disjoint blocks)
     assert ac.entry_channels(0, d, di) == {"kv": 0}
 
 

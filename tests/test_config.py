@@ -55,7 +55,7 @@ def test_flash_config_parses_with_the_documented_schedule():
     assert [s.is_hash_layer(i) for i in range(5)] == [True, True, True, False, False]
     assert not s.is_hash_layer(43)
     assert s.hc_mix == 24 and s.hc_dim == 16384 and s.o_group_in_dim == 4096
-    assert s.has_indexer(2) and s.compressor_coff(2) == 2 and not s.has_indexer(3) and s.compressor_coff(3) == 1
+    assert s.has_indexer(2) and s.compressor_blocks_per_entry(2) == 2 and not s.has_indexer(3) and s.compressor_blocks_per_entry(3) == 1
     assert s.quantization_config["quant_method"] == "fp8"
 
 
@@ -148,7 +148,7 @@ def test_general_ratios_are_accepted():
     s = DeepseekV4Spec.from_dict(tiny_config(compress_ratios=[0, 4, 8, 0]))
     assert s.num_hidden_layers == 3
     assert [s.compress_ratio(i) for i in range(4)] == [0, 4, 8, 0]
-    assert s.has_compressor(2) and not s.is_overlapping(2) and s.compressor_coff(2) == 1
+    assert s.has_compressor(2) and not s.is_overlapping(2) and s.compressor_blocks_per_entry(2) == 1
     t = expected_tensors(s)
     assert t["layers.2.attn.compressor.ape"].shape == (8, 128)
     assert "layers.2.attn.indexer.wq_b.weight" not in t

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import shlex
 import shutil
@@ -274,6 +275,32 @@ def test_rocm_wheel_carries_the_entry_point_setup_env_verifies(rocm_wheel):
     reqs = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     runtime = [q for q in reqs if "extra ==" not in q]
     assert runtime and not any(re.match(r"(vllm|torch)\b", q) for q in runtime), runtime
+
+
+def test_rocm_wheel_holds_every_runtime_module_and_serves_from_itself(rocm_wheel, tmp_path):
+    """Every module of the package tree but the training code and test oracles is in the wheel, and the
+    plugin's entry point, both model classes and the CLIs import from the installed wheel alone (a package
+    directory without ``__init__.py`` is silently left out by setuptools' discovery)."""
+    with zipfile.ZipFile(rocm_wheel) as z:
+        names = set(z.namelist())
+    excluded = ("vllm_dsv4_mtp/embedded/training/", "vllm_dsv4_mtp/testing/")
+    expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / "vllm_dsv4_mtp").rglob("*.py")
+                if "__pycache__" not in p.parts}
+    expected = {m for m in expected if not m.startswith(excluded)}
+    expected |= {"vllm_dsv4_mtp/quant/" + p.name for p in (ROOT / "quant").glob("*.py")}
+    assert expected <= names, sorted(expected - names)
+    assert not any(n.startswith(excluded) or n.endswith(".safetensors") for n in names)
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target),
+                        str(rocm_wheel)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    probe = ("import vllm_dsv4_mtp, vllm_dsv4_mtp.registration, vllm_dsv4_mtp.model.deepseek_v4, "
+             "vllm_dsv4_mtp.model.mtp, vllm_dsv4_mtp.gfx950.plan, vllm_dsv4_mtp.cli, vllm_dsv4_mtp.quant.cli; "
+             "print(vllm_dsv4_mtp.__file__)")
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == str(target / "vllm_dsv4_mtp" / "__init__.py")
 
 
 def test_rocm_build_runs_the_version_gate():

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.kernels import experts, portable_quant
+from vllm_dsv4_mtp import portable_quant_config as portable_quant
+from vllm_dsv4_mtp.model import experts
 
 
 def test_portable_quant_config_claims_dsv4_only_off_gfx950():

@@ -67,7 +67,7 @@ def test_gfx950_draft_logits_equal_the_reference(tmp_path):
 def test_gfx950_greedy_mtp_equals_mtp_off_and_is_accepted(tmp_path, k):
     from vllm import SamplingParams
 
-    from vllm_dsv4_mtp.model.mtp_bench import spec_decode_from_llm
+    from vllm_dsv4_mtp.serve.metrics import spec_decode_from_llm
     from vllm_dsv4_mtp.testing.mtp_checkpoints import make_permutation_model, permutation_chain
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
 

@@ -154,7 +154,7 @@ def test_target_gets_what_vllm_gives_it_without_the_plugin(layers, variant):
     """On gfx950 the plugin registers no target class and claims no quantization method, so the target is
     vLLM's own and its QuarkConfig is built and mapped exactly as without the plugin."""
     from vllm_dsv4_mtp import platform, registration
-    from vllm_dsv4_mtp.kernels.portable_quant import claims
+    from vllm_dsv4_mtp.portable_quant_config import claims
 
     raw = _variants()[variant]
     assert "DeepseekV4ForCausalLM" not in registration.models_for(platform.IN_TREE)

@@ -127,7 +127,10 @@ def _attention_pair(tmp_path, ratios, lid, seed):
     cfg, hcfg, vc = _configs(tmp_path, compress_ratios=ratios, index_topk=4, index_n_heads=64)
     ref = M.DeepseekV4Attention(hcfg, lid).float()
     _randomize(ref, seed)
-    mine = DeepseekV4Attention(vc, compress_ratio=ratios[lid], prefix=f"model.layers.{lid}.attn")
+    from vllm_dsv4_mtp.config import DeepseekV4Spec
+
+    spec = DeepseekV4Spec.from_dict(cfg)
+    mine = DeepseekV4Attention(vc, spec, compress_ratio=ratios[lid], prefix=f"model.layers.{lid}.attn")
     _copy_attention(ref, mine, ratios[lid])
     return cfg, hcfg, ref, mine
 
@@ -279,7 +282,7 @@ def test_moe_matches_hf(vllm_dist, tmp_path, is_hash, fmt):
     """Router (hash / bias-selected), SwiGLU clamp, shared expert; MXFP4 weight-only equals HF on the decoded
     weights; W4A4 equals the same experts on fake-quantised activations."""
     from vllm_dsv4_mtp.formats import mxfp4
-    from vllm_dsv4_mtp.kernels.experts import swiglu_clamped
+    from vllm_dsv4_mtp.model.experts import swiglu_clamped
     from vllm_dsv4_mtp.config import DeepseekV4Spec
     from vllm_dsv4_mtp.model.moe import DeepseekV4MoE
 

@@ -219,7 +219,7 @@ def test_mxfp4_shared_experts_fse_layout(ckpts):
     """The AMD export's main-layer shared experts are MXFP4 (packed + E8M0): decoded exactly at load and run with
     the W4A4 activation rounding of the routed experts."""
     from vllm_dsv4_mtp.formats import mxfp4
-    from vllm_dsv4_mtp.kernels.experts import swiglu_clamped
+    from vllm_dsv4_mtp.model.experts import swiglu_clamped
 
     model = _build(ckpts["fse"], dtype="bfloat16")
     tensors = _tensors(ckpts["fse"])

@@ -44,7 +44,7 @@ def _prompts(vocab=512, seed=11):
 
 
 def _run(llm, prompts, params):
-    from vllm_dsv4_mtp.model.mtp_bench import spec_decode_from_llm
+    from vllm_dsv4_mtp.serve.metrics import spec_decode_from_llm
 
     before = spec_decode_from_llm(llm.get_metrics())
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -51,7 +51,7 @@ def generate(ckpt):
     """``generate(k)``: greedy outputs and spec-decode counters of an engine with K = k drafts (0 = MTP off)."""
     from vllm import SamplingParams
 
-    from vllm_dsv4_mtp.model.mtp_bench import spec_decode_from_llm
+    from vllm_dsv4_mtp.serve.metrics import spec_decode_from_llm
 
     cache = {}
 
@@ -97,7 +97,7 @@ def test_chunked_prefill_with_mtp_follows_the_target(ckpt):
     from vllm import SamplingParams
 
     from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement, load_hf_model
-    from vllm_dsv4_mtp.model.mtp_bench import spec_decode_from_llm
+    from vllm_dsv4_mtp.serve.metrics import spec_decode_from_llm
 
     # VLLM_MLA_DISABLE: vLLM otherwise forces chunked prefill off for model_type deepseek_v4
     with vllm_engine(ckpt, env={"VLLM_MLA_DISABLE": "1"}, dtype="float32", enforce_eager=True, max_model_len=512,

@@ -68,7 +68,7 @@ def _argmax_of_target(llm, prompt, generated):
 def test_published_layout_serves_with_the_mtp_draft(ckpts, layout):
     from vllm import SamplingParams
 
-    from vllm_dsv4_mtp.model.mtp_bench import spec_decode_from_llm
+    from vllm_dsv4_mtp.serve.metrics import spec_decode_from_llm
 
     with vllm_engine(ckpts[layout], dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4,
                      skip_tokenizer_init=True, seed=0, disable_log_stats=False,

@@ -71,7 +71,7 @@ def register_models() -> bool:
     for arch, ref in models.items():
         ModelRegistry.register_model(arch, ref)
     if impl == platform.PORTABLE:
-        import vllm_dsv4_mtp.kernels.portable_quant  # noqa: F401  (registers "dsv4_mtp_portable")
+        import vllm_dsv4_mtp.portable_quant_config  # noqa: F401  (registers "dsv4_mtp_portable")
         what = "portable DeepSeek-V4 target and BF16 MTP draft"
     else:
         what = "vLLM's in-tree DeepSeek-V4 target (AITER) + the plugin's BF16 MTP draft"

@@ -99,7 +99,7 @@ def decode_step_ms(llm, prompts: list[list[int]], n_decode: int, reps: int) -> f
 
 
 def question_prompts(ckpt: str, n: int) -> list[list[int]]:
-    from vllm_dsv4_mtp.model.mtp_bench import question_prompts as qp
+    from vllm_dsv4_mtp.benchmarks.mtp_draft import question_prompts as qp
     from vllm_dsv4_mtp.embedded import TEST_JSONL
 
     return qp(ckpt, str(TEST_JSONL), n)
@@ -122,7 +122,7 @@ def e2e(llm, prompts: list[list[int]], batch: int, reps: int) -> tuple[float, li
 
 
 def measure_model(name: str, ckpt: str, args) -> dict:
-    from vllm_dsv4_mtp.model.mtp_bench import spec_decode_from_llm
+    from vllm_dsv4_mtp.serve.metrics import spec_decode_from_llm
 
     with open(f"{ckpt}/config.json") as f:
         vocab = json.load(f)["vocab_size"]

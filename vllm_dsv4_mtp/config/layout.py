@@ -138,8 +138,8 @@ def _block_slots(spec: DeepseekV4Spec, lid: int, add) -> None:
     add(a + "wo_b.weight", (D, spec.o_groups * spec.o_lora_rank), "attention", lid, quantizable=_ATTN_Q)
     r = spec.compress_ratio(lid)
     if r > 1:
-        coff = spec.compressor_coff(lid)
-        _compressor_slots(a + "compressor.", r, coff, hd, D, "compressor", lid, add)
+        blocks_per_entry = spec.compressor_blocks_per_entry(lid)
+        _compressor_slots(a + "compressor.", r, blocks_per_entry, hd, D, "compressor", lid, add)
     if spec.has_indexer(lid):
         ix = a + "indexer."
         nI, dI = spec.index_n_heads, spec.index_head_dim
@@ -163,10 +163,10 @@ def _block_slots(spec: DeepseekV4Spec, lid: int, add) -> None:
     add(f + "shared_experts.w3.weight", (Is, D), "shared_experts", lid, quantizable=_SHARED_Q)
 
 
-def _compressor_slots(c: str, ratio: int, coff: int, hd: int, D: int, kind: str, lid: int, add) -> None:
-    add(c + "ape", (ratio, coff * hd), kind, lid, F32)
-    add(c + "wkv.weight", (coff * hd, D), kind, lid)
-    add(c + "wgate.weight", (coff * hd, D), kind, lid)
+def _compressor_slots(c: str, ratio: int, blocks_per_entry: int, hd: int, D: int, kind: str, lid: int, add) -> None:
+    add(c + "ape", (ratio, blocks_per_entry * hd), kind, lid, F32)
+    add(c + "wkv.weight", (blocks_per_entry * hd, D), kind, lid)
+    add(c + "wgate.weight", (blocks_per_entry * hd, D), kind, lid)
     add(c + "norm.weight", (hd,), kind, lid)
 
 

@@ -369,7 +369,7 @@ class DeepseekV4Spec:
     def has_indexer(self, layer_id: int) -> bool:
         return self.is_overlapping(layer_id)
 
-    def compressor_coff(self, layer_id: int) -> int:
+    def compressor_blocks_per_entry(self, layer_id: int) -> int:
         """Channel multiplier of the compressor projections: 2 when overlapping, else 1."""
         return 2 if self.is_overlapping(layer_id) else 1
 

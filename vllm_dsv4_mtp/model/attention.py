@@ -12,8 +12,8 @@ Per token ``t`` at position ``p``::
 
 ``wq_a`` and ``wkv`` are one stacked replicated GEMM (``fused_wqa_wkv``); heads (``wq_b``, ``attn_sink``)
 and output groups (``wo_a``) are split across tensor-parallel ranks, ``wo_b`` reduces. The cache-touching
-part is :class:`vllm_dsv4_mtp.kernels.attention_core.PagedRowCache` with the step's addressing
-(``kernels/attention_metadata.py``); this file holds the maths, batched over the whole step: the queries are
+part is :class:`vllm_dsv4_mtp.model.paged_cache.PagedRowCache` with the step's addressing
+(``model/attention_metadata.py``); this file holds the maths, batched over the whole step: the queries are
 laid out as ``[n_seg, S]`` segments (consecutive queries of one request), each segment attends to one
 contiguous window-key range plus the C128 entries it may see or (C4) each query's indexer picks.
 """
@@ -31,10 +31,11 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 
-from vllm_dsv4_mtp.kernels.attention_core import PagedRowCache, cache_row_width, entry_channels, layer_row_width
+from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.model.compressor import Compressor
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
 from vllm_dsv4_mtp.model.norm import rms_norm
+from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.rope import layer_rope
 
 # the intermediates of one group of segments (scores, gathered keys) stay below this many elements
@@ -102,18 +103,17 @@ class GroupedLinear(nn.Module):
 class DeepseekV4Attention(nn.Module):
     """One DeepSeek-V4 attention layer (native ``layers.N.attn.*``, or ``mtp.0.attn.*`` with ratio 0)."""
 
-    def __init__(self, vllm_config: VllmConfig, *, compress_ratio: int, prefix: str):
+    def __init__(self, vllm_config: VllmConfig, spec: DeepseekV4Spec, *, compress_ratio: int, prefix: str):
         super().__init__()
-        config = vllm_config.model_config.hf_config
         tp = get_tensor_model_parallel_world_size()
-        self.hidden_size = config.hidden_size
-        self.n_heads = config.num_attention_heads
-        self.head_dim = config.head_dim
-        self.rope_dim = config.qk_rope_head_dim
-        self.n_groups = config.o_groups
-        self.o_lora_rank = config.o_lora_rank
-        self.window = config.sliding_window
-        self.eps = config.rms_norm_eps
+        self.hidden_size = spec.hidden_size
+        self.n_heads = spec.num_attention_heads
+        self.head_dim = spec.head_dim
+        self.rope_dim = spec.qk_rope_head_dim
+        self.n_groups = spec.o_groups
+        self.o_lora_rank = spec.o_lora_rank
+        self.window = spec.sliding_window
+        self.eps = spec.rms_norm_eps
         self.compress_ratio = compress_ratio if compress_ratio > 1 else 0
         if self.n_heads % tp or self.n_groups % tp:
             raise ValueError(
@@ -123,15 +123,29 @@ class DeepseekV4Attention(nn.Module):
         self.n_local_heads = self.n_heads // tp
         self.n_local_groups = self.n_groups // tp
         self.scale = self.head_dim**-0.5
+        self._build_projections(spec, prefix)
+        self._build_compression(spec, prefix)
+        ratios = list(spec.compress_ratios[: spec.num_hidden_layers])
+        self.row_width = layer_row_width(self.compress_ratio, self.head_dim, spec.index_head_dim)
+        self.channels = entry_channels(self.compress_ratio, self.head_dim, spec.index_head_dim)
+        # every layer pads its rows to one width, so target and draft share one KV-cache group
+        self.cache = PagedRowCache(
+            row_width=self.row_width,
+            cache_width=cache_row_width(ratios, self.head_dim, spec.index_head_dim),
+            prefix=prefix,
+            vllm_config=vllm_config,
+        )
 
+    def _build_projections(self, spec: DeepseekV4Spec, prefix: str) -> None:
+        """Query/KV projections (``wq_a`` and ``wkv`` fused: one GEMM of the same input), grouped output, sink."""
         self.fused_wqa_wkv = MergedColumnParallelLinear(
-            self.hidden_size, [config.q_lora_rank, self.head_dim], bias=False, quant_config=None,
+            self.hidden_size, [spec.q_lora_rank, self.head_dim], bias=False, quant_config=None,
             prefix=f"{prefix}.fused_wqa_wkv", disable_tp=True, return_bias=False,
         )
-        self.q_norm = RMSNorm(config.q_lora_rank, eps=self.eps)
+        self.q_norm = RMSNorm(spec.q_lora_rank, eps=self.eps)
         self.kv_norm = RMSNorm(self.head_dim, eps=self.eps)
         self.wq_b = ColumnParallelLinear(
-            config.q_lora_rank, self.n_heads * self.head_dim, bias=False, quant_config=None,
+            spec.q_lora_rank, self.n_heads * self.head_dim, bias=False, quant_config=None,
             prefix=f"{prefix}.wq_b", return_bias=False,
         )
         # grouped low-rank output: wo_a is block-diagonal over groups, applied as a batched matmul
@@ -145,10 +159,11 @@ class DeepseekV4Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.empty(self.n_local_heads, dtype=torch.float32), requires_grad=False)
         self.attn_sink.weight_loader = self._load_sink  # type: ignore[attr-defined]
 
+    def _build_compression(self, spec: DeepseekV4Spec, prefix: str) -> None:
+        """The layer's rope (YaRN on compressed layers), its compressor (C4 / C128) and, on C4, the indexer."""
         self.rope = layer_rope(
-            compress_ratio=self.compress_ratio, rope_dim=self.rope_dim, rope_theta=config.rope_theta,
-            compress_rope_theta=getattr(config, "compress_rope_theta", config.rope_theta),
-            rope_scaling=getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None),
+            compress_ratio=self.compress_ratio, rope_dim=self.rope_dim, rope_theta=spec.rope_theta,
+            compress_rope_theta=spec.compress_rope_theta, rope_scaling=spec.rope_scaling,
         )
         self.compressor = (
             Compressor(self.hidden_size, self.head_dim, self.compress_ratio, self.eps, prefix=f"{prefix}.compressor")
@@ -157,20 +172,11 @@ class DeepseekV4Attention(nn.Module):
         )
         self.indexer = (
             Indexer(
-                self.hidden_size, config.q_lora_rank, config.index_n_heads, config.index_head_dim,
-                config.index_topk, self.eps, prefix=f"{prefix}.indexer",
+                self.hidden_size, spec.q_lora_rank, spec.index_n_heads, spec.index_head_dim,
+                spec.index_topk, self.eps, prefix=f"{prefix}.indexer",
             )
             if self.compress_ratio == 4
             else None
-        )
-        ratios = list(config.compress_ratios[: config.num_hidden_layers])
-        self.row_width = layer_row_width(self.compress_ratio, self.head_dim, config.index_head_dim)
-        self.channels = entry_channels(self.compress_ratio, self.head_dim, config.index_head_dim)
-        self.cache = PagedRowCache(
-            row_width=self.row_width,
-            cache_width=cache_row_width(ratios, self.head_dim, config.index_head_dim),
-            prefix=prefix,
-            vllm_config=vllm_config,
         )
 
     def _load_sink(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -229,9 +235,10 @@ class DeepseekV4Attention(nn.Module):
         ch = self.channels
         index_q = index_w = None
         if self.compressor is not None:
-            self.compressor.complete(md, self.cache, self.rope, cz_channel=ch["cz"], entry_channel=ch["entry"])
+            self.compressor.complete(md, self.cache, self.rope, kv_gate_channel=ch["kv_gate"],
+                                     entry_channel=ch["entry"])
         if self.indexer is not None:
-            self.indexer.compressor.complete(md, self.cache, self.rope, cz_channel=ch["icz"],
+            self.indexer.compressor.complete(md, self.cache, self.rope, kv_gate_channel=ch["index_kv_gate"],
                                              entry_channel=ch["ikey"])
             index_q, index_w = self.indexer.queries(qr, x_real, rot, self.rope)
         o = self.attend(md, q, index_q, index_w)

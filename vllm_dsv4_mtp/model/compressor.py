@@ -1,8 +1,8 @@
 """KV compressor of the compressed layers: C4 (overlapping blocks) and C128 (disjoint blocks).
 
-Per token the compressor projects ``c = wkv(x)`` and ``z = wgate(x)`` (``coff * hd`` channels each, with
-``coff = 2`` for overlapping C4 and 1 otherwise). A complete block ``j`` of ``ratio`` tokens becomes one
-entry, the softmax-gated (over tokens, per channel; ``z + ape`` as logits) sum of the ``c`` rows:
+Per token the compressor projects ``c = wkv(x)`` and ``z = wgate(x)`` (``blocks_per_entry * hd`` channels
+each: an overlapping C4 entry reads 2 blocks, so ``blocks_per_entry = 2``; 1 otherwise). A complete block
+``j`` of ``ratio`` tokens becomes one entry, the softmax-gated (over tokens, per channel; ``z + ape`` as logits) sum of the ``c`` rows:
 
 * ratio 128 (disjoint): block ``j`` = tokens ``[128 j, 128 j + 128)``;
 * ratio 4 (overlapping): block ``j`` mixes ``2 * ratio`` rows, the previous block's tokens through the first
@@ -13,7 +13,7 @@ once its block is complete; a query at position ``t`` sees entries ``j < (t + 1)
 
 The portable attention core keeps ``[c | z]`` per token in the paged KV cache; :meth:`Compressor.complete`
 pools a block once, in the step that writes its last token, from the block's cached rows, and stores the
-entry in that token's row (see ``kernels/attention_core.py``). Also used, at ``hd = index_head_dim``, by the
+entry in that token's row (see ``model/paged_cache.py``). Also used, at ``hd = index_head_dim``, by the
 lightning indexer.
 """
 
@@ -29,22 +29,22 @@ from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
 
 def pool_gathered(
-    cz: torch.Tensor, valid: torch.Tensor, ape: torch.Tensor, *, ratio: int, head_dim: int, overlap: bool
+    kv_gate: torch.Tensor, valid: torch.Tensor, ape: torch.Tensor, *, ratio: int, head_dim: int, overlap: bool
 ) -> torch.Tensor:
     """Gated pooling of ``M`` completed blocks from their gathered rows (before norm and rope).
 
     Args:
-        cz: ``[M, span, 2 * coff * head_dim]`` per-token ``[c | z]`` rows ending at each block's last token
-            (``span = coff * ratio``: with overlap, the previous block's rows then the block's own).
+        kv_gate: ``[M, span, 2 * blocks_per_entry * head_dim]`` per-token ``[c | z]`` rows ending at each
+            block's last token (``span = blocks_per_entry * ratio``: with overlap, the previous block's rows then the block's own).
         valid: ``[M, span, 1]`` bool, False for rows before position 0 (block 0's previous half).
-        ape: ``[ratio, coff * head_dim]`` float32 position bias added to ``z``.
+        ape: ``[ratio, blocks_per_entry * head_dim]`` float32 position bias added to ``z``.
 
     Returns:
-        ``[M, head_dim]`` pooled entries in ``cz.dtype`` (softmax weights in float32, cast to the activation
+        ``[M, head_dim]`` pooled entries in ``kv_gate.dtype`` (softmax weights in float32, cast to the activation
         dtype before the weighted sum, as the reference does).
     """
     width = (2 if overlap else 1) * head_dim
-    c, z = cz[..., :width], cz[..., width:].float()
+    c, z = kv_gate[..., :width], kv_gate[..., width:].float()
     if overlap:
         # rows [0, ratio): previous block, first half of the channels; rows [ratio, 2 ratio): this block,
         # second half; ape by the row's place in its own block
@@ -68,29 +68,30 @@ class Compressor(nn.Module):
         self.ratio = ratio
         self.head_dim = head_dim
         self.overlap = ratio == 4
-        coff = 2 if self.overlap else 1
-        self.row_width = 2 * coff * head_dim  # [c | z] per token
+        blocks_per_entry = 2 if self.overlap else 1
+        self.row_width = 2 * blocks_per_entry * head_dim  # [c | z] per token
         self.fused_wkv_wgate = MergedColumnParallelLinear(
-            hidden_size, [coff * head_dim, coff * head_dim], bias=False, quant_config=None,
+            hidden_size, [blocks_per_entry * head_dim, blocks_per_entry * head_dim], bias=False, quant_config=None,
             prefix=f"{prefix}.fused_wkv_wgate", disable_tp=True, return_bias=False,
         )
-        self.ape = nn.Parameter(torch.empty(ratio, coff * head_dim, dtype=torch.float32), requires_grad=False)
+        self.ape = nn.Parameter(torch.empty(ratio, blocks_per_entry * head_dim, dtype=torch.float32),
+                                requires_grad=False)
         self.norm = RMSNorm(head_dim, eps=norm_eps)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """``x: [T, D]`` -> ``[T, row_width]`` rows ``[c | z]`` to store per token."""
         return self.fused_wkv_wgate(x)
 
-    def complete(self, md, cache, rope: DeepseekV4Rope, *, cz_channel: int, entry_channel: int) -> None:
+    def complete(self, md, cache, rope: DeepseekV4Rope, *, kv_gate_channel: int, entry_channel: int) -> None:
         """Make the entries of the blocks this step completes and store them in their completing rows.
 
         ``md``: the step's ``PortableAttentionMetadata``; ``cache``: the layer's ``PagedRowCache`` (this step's
-        rows already written); the rows' ``[c | z]`` start at ``cz_channel``, entries go to ``entry_channel``.
+        rows already written); the rows' ``[c | z]`` start at ``kv_gate_channel``, entries go to ``entry_channel``.
         """
         done = md.completions(self.ratio, (2 if self.overlap else 1) * self.ratio)
         if done is None:
             return
-        rows = cache.gather(done.row_slots, cz_channel, self.row_width)  # [M, span, row_width]
+        rows = cache.gather(done.row_slots, kv_gate_channel, self.row_width)  # [M, span, row_width]
         pooled = pool_gathered(rows, done.row_valid, self.ape, ratio=self.ratio, head_dim=self.head_dim,
                                overlap=self.overlap)
         rot = rope.step_rotation(md.memo, f"blocks{self.ratio}", done.block_pos)

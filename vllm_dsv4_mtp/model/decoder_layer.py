@@ -35,7 +35,7 @@ class DeepseekV4DecoderLayer(nn.Module):
                  rounding: LayerRounding = LayerRounding()):
         super().__init__()
         d, hc, eps = spec.hidden_size, spec.hc_mult, spec.rms_norm_eps
-        self.attn = DeepseekV4Attention(vllm_config, compress_ratio=spec.compress_ratio(layer_id),
+        self.attn = DeepseekV4Attention(vllm_config, spec, compress_ratio=spec.compress_ratio(layer_id),
                                         prefix=f"{prefix}.attn")
         self.ffn = DeepseekV4MoE(spec, layer_id, prefix=f"{prefix}.ffn", routed_w4a4=rounding.routed,
                                  shared_w4a4=rounding.shared,

@@ -5,7 +5,7 @@ indexer's own C4 compressor (``hd = dI``) produce keys ``KI [n, dI]``; the score
 ``t`` is ``sum_h relu(qI[t,h] . KI[j]) * dI^-0.5 * w[t,h]``, restricted to entries that are complete
 (``j < (t + 1) // 4``). Picks beyond the causal limit (too few ready entries) are flagged invalid. The keys
 are made once per block (the indexer's compressor, in the block's completing row of the paged cache; see
-``kernels/attention_core.py``) and gathered per segment of queries.
+``model/paged_cache.py``) and gathered per segment of queries.
 
 The reference also rotates ``qI`` and ``KI`` by a Hadamard matrix and fake-quantises them to FP4 (QAT);
 the rotation is orthonormal, so the dot products are unchanged, and the FP4 rounding is not applied here

@@ -9,7 +9,7 @@ Router, per token (float32)::
 
 Every expert (routed and shared) is ``w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))`` with ``L = swiglu_limit``;
 the output is ``sum_k w_k expert_k(x) + shared(x)``. The routed-expert GEMMs are in
-``vllm_dsv4_mtp.kernels.experts``; every layer reads its sizes and routing rule from the validated spec.
+``vllm_dsv4_mtp.model.experts``; every layer reads its sizes and routing rule from the validated spec.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowPar
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.kernels.experts import PortableExperts, swiglu_clamped
+from vllm_dsv4_mtp.model.experts import PortableExperts, swiglu_clamped
 
 _SCORE_FUNCS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),

@@ -173,6 +173,35 @@ def scrape(url: str, model_name: str | None = None, timeout: float = 10.0) -> Sp
     return spec_decode_metrics(fetch_metrics_text(url, timeout), model_name)
 
 
+
+def spec_decode_from_llm(metrics) -> SpecDecodeMetrics | None:
+    """``LLM.get_metrics()`` -> :class:`SpecDecodeMetrics`, or None when the engine has no spec-decode counters."""
+    m = SpecDecodeMetrics()
+    seen = False
+    for x in metrics:
+        if x.name == "vllm:spec_decode_num_drafts":
+            m.num_drafts += x.value
+        elif x.name == "vllm:spec_decode_num_draft_tokens":
+            m.num_draft_tokens += x.value
+        elif x.name == "vllm:spec_decode_num_accepted_tokens":
+            m.num_accepted_tokens += x.value
+        elif x.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            for p, v in enumerate(x.values):
+                m.accepted_per_position[p] = m.accepted_per_position.get(p, 0.0) + v
+        else:
+            continue
+        seen = True
+    return m if seen else None
+
+
+def engine_steps(metrics) -> int | None:
+    """Engine steps that produced tokens: vLLM's ``vllm:iteration_tokens_total`` histogram count."""
+    for x in metrics:
+        if x.name == "vllm:iteration_tokens_total":
+            return int(x.count)
+    return None
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("metrics", help="spec-decode acceptance from a running server's /metrics")
     p.add_argument("url", help="server URL (http://HOST:PORT, .../v1 or .../metrics)")

@@ -6,7 +6,7 @@ What runs, and so what is counted (:class:`Runs`):
   quantization (AITER MoE on the MXFP4 experts, Quark / DeepSeek FP8 block linears; preshuffling in
   ``process_weights_after_loading`` keeps the sizes), so its bytes are the **stored** bytes;
 * target, ``platform.PORTABLE`` (everywhere else): the plugin's model decodes every quantized weight to the
-  model dtype at load (``vllm_dsv4_mtp/kernels/portable_quant.py``), so every tensor is **dense** in the model
+  model dtype at load (``vllm_dsv4_mtp/portable_quant_config.py``), so every tensor is **dense** in the model
   dtype, except the float32 tensors (hyper-connection mixes, sinks, router bias) and integer ``tid2eid``
   tables, which stay as they are;
 * draft ``PLUGIN_DRAFT`` (both platforms): the plugin's MTP layer is BF16 by design (``draft_policy.py``

@@ -4,7 +4,7 @@ The portable core keeps, per layer and per token, one *row* in a standard paged 
 one KV head, ``head_size`` = row width, no V): the roped latent ``kv`` (``d``) and, on compressed layers, the
 compressor projections ``[c | z]`` (and the indexer's), see :func:`layer_row_width`. All layers pad their rows
 to one width (:func:`cache_row_width`), so the whole model and its MTP draft are one KV-cache group with one
-metadata build per step (``kernels/attention_metadata.py``: every index a layer needs, for all requests at
+metadata build per step (``model/attention_metadata.py``: every index a layer needs, for all requests at
 once; no layer loops over requests).
 
 **Compressed entries are made once and kept in the row of the token that completes their block.** Entry
@@ -53,7 +53,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from vllm_dsv4_mtp.kernels.attention_metadata import PortableAttentionMetadata
+from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
 
 PORTABLE_BACKEND_NAME = "DSV4_MTP_PORTABLE"
 
@@ -62,8 +62,8 @@ def layer_row_width(compress_ratio: int, head_dim: int, index_head_dim: int) -> 
     """Channels of a layer's cache row: ``kv`` + compressor ``[c | z]`` + (C4) indexer ``[c | z]``."""
     width = head_dim
     if compress_ratio > 1:
-        coff = 2 if compress_ratio == 4 else 1
-        width += 2 * coff * head_dim
+        blocks_per_entry = 2 if compress_ratio == 4 else 1
+        width += 2 * blocks_per_entry * head_dim
     if compress_ratio == 4:
         width += 2 * 2 * index_head_dim
     return width
@@ -75,16 +75,16 @@ def cache_row_width(compress_ratios: list[int], head_dim: int, index_head_dim: i
 
 
 def entry_channels(compress_ratio: int, head_dim: int, index_head_dim: int) -> dict[str, int]:
-    """Where a layer's row keeps its parts (channel offsets): ``kv``, ``cz`` (compressor ``[c | z]``), ``icz``
-    (indexer ``[c | z]``), and in the row of a block's completing token ``entry`` (the compressed entry,
+    """Where a layer's row keeps its parts (channel offsets): ``kv``, ``kv_gate`` (compressor ``[c | z]``),
+    ``index_kv_gate`` (indexer ``[c | z]``), and in the row of a block's completing token ``entry`` (the compressed entry,
     ``head_dim`` wide) and ``ikey`` (the indexer key, ``index_head_dim`` wide); see the module docstring."""
     d, di = head_dim, index_head_dim
     out = {"kv": 0}
     if compress_ratio > 1:
-        out["cz"] = d
+        out["kv_gate"] = d
         out["entry"] = 2 * d if compress_ratio == 4 else d  # C4: c[d:2d]; otherwise c[0:d]
     if compress_ratio == 4:
-        out["icz"] = 5 * d
+        out["index_kv_gate"] = 5 * d
         out["ikey"] = 5 * d + di  # c_I[dI:2dI]
     return out
 

@@ -1,6 +1,6 @@
 """Engine start time, decode step time and peak memory of the plugin's target model on this machine.
 
-    python -m vllm_dsv4_mtp.model.target_bench [--experts bf16|mxfp4] [--dtype bfloat16] [--decode 64]
+    python -m vllm_dsv4_mtp.benchmarks.target_model [--experts bf16|mxfp4] [--dtype bfloat16] [--decode 64]
 
 Builds the default tiny checkpoint (``tools.tiny``), starts ``LLM(..., enforce_eager=True)`` and times:
 

@@ -1,10 +1,10 @@
 """Ops and wall time per mHC call (``hc_pre``, ``hc_post``, ``hc_head``) at T tokens, embedded model's shape.
 
-    .venv/bin/python scripts/bench_hyper_connection.py                       # this tree
+    .venv/bin/python vllm_dsv4_mtp/benchmarks/hyper_connection.py                       # this tree
     git show 8d90f1e:vllm_dsv4_mtp/model/hyper_connection.py > /tmp/hc_before.py
-    .venv/bin/python scripts/bench_hyper_connection.py --module-file /tmp/hc_before.py   # an older version
+    .venv/bin/python vllm_dsv4_mtp/benchmarks/hyper_connection.py --module-file /tmp/hc_before.py   # an older version
 
-    .venv/bin/python scripts/bench_hyper_connection.py --decode-ops vllm_dsv4_mtp/embedded/assets/tiny-dsv4-bf16
+    .venv/bin/python vllm_dsv4_mtp/benchmarks/hyper_connection.py --decode-ops vllm_dsv4_mtp/embedded/assets/tiny-dsv4-bf16
 
 For each dtype and T it times the modules' public calls (``HyperConnection.pre`` / ``.post``,
 ``HyperHead``: what the decoder layer runs, fused kernel where it applies) and the torch functions

@@ -3,12 +3,12 @@
 ``LLM(..., disable_log_stats=False).get_metrics()`` returns vLLM's spec-decode counters
 (``vllm:spec_decode_num_drafts`` / ``_num_draft_tokens`` / ``_num_accepted_tokens`` /
 ``_num_accepted_tokens_per_pos``, the same ones the OpenAI server exports on ``/metrics``);
-:func:`spec_decode_from_llm` turns them into ``vllm_dsv4_mtp.serve.metrics.SpecDecodeMetrics`` (acceptance rate,
+``serve.metrics.spec_decode_from_llm`` turns them into ``vllm_dsv4_mtp.serve.metrics.SpecDecodeMetrics`` (acceptance rate,
 mean acceptance length, per-position acceptance), so offline runs and servers report the same numbers.
 
 Command line (one run: the same prompts through an engine per setting, one at a time)::
 
-    python -m vllm_dsv4_mtp.model.mtp_bench [--checkpoint DIR [--questions JSONL] | --model permutation|random] \\
+    python -m vllm_dsv4_mtp.benchmarks.mtp_draft [--checkpoint DIR [--questions JSONL] | --model permutation|random] \\
         [--k 0 1 2 3] [--prompts 8] [--max-tokens 32] [--dtype bfloat16]
 
 prints, per setting, engine start time, decode time, ms per engine step, output tokens/s and the acceptance
@@ -21,35 +21,7 @@ import argparse
 import json
 import time
 
-from vllm_dsv4_mtp.serve.metrics import SpecDecodeMetrics
-
-
-def spec_decode_from_llm(metrics) -> SpecDecodeMetrics | None:
-    """``LLM.get_metrics()`` -> :class:`SpecDecodeMetrics`, or None when the engine has no spec-decode counters."""
-    m = SpecDecodeMetrics()
-    seen = False
-    for x in metrics:
-        if x.name == "vllm:spec_decode_num_drafts":
-            m.num_drafts += x.value
-        elif x.name == "vllm:spec_decode_num_draft_tokens":
-            m.num_draft_tokens += x.value
-        elif x.name == "vllm:spec_decode_num_accepted_tokens":
-            m.num_accepted_tokens += x.value
-        elif x.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            for p, v in enumerate(x.values):
-                m.accepted_per_position[p] = m.accepted_per_position.get(p, 0.0) + v
-        else:
-            continue
-        seen = True
-    return m if seen else None
-
-
-def engine_steps(metrics) -> int | None:
-    """Engine steps that produced tokens: vLLM's ``vllm:iteration_tokens_total`` histogram count."""
-    for x in metrics:
-        if x.name == "vllm:iteration_tokens_total":
-            return int(x.count)
-    return None
+from vllm_dsv4_mtp.serve.metrics import SpecDecodeMetrics, engine_steps, spec_decode_from_llm
 
 
 def prompts_for(vocab: int, n: int, seed: int = 0, lens=(3, 9, 17, 33, 60, 100, 140, 200)) -> list[list[int]]:
@@ -108,7 +80,7 @@ def run_setting(ckpt: str, k: int, prompts: list[list[int]], max_tokens: int, dt
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m vllm_dsv4_mtp.model.mtp_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vllm_dsv4_mtp.benchmarks.mtp_draft", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", help="a DeepSeek-V4 checkpoint directory with mtp.* weights")
     p.add_argument("--model", choices=["permutation", "random"], default="permutation",
                    help="without --checkpoint: build a tiny model (permutation: MTP agrees with the target; "

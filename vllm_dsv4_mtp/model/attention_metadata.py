@@ -12,7 +12,7 @@ this module derives, with numpy, every index the layers need, so no layer loops 
   is the identity: no segment is padded, as in a step of decodes or of equal verify windows).
 * on first use by a layer, memoised for the others (:meth:`window`, :meth:`entries`, :meth:`completions`):
   the cache slots of each segment's window keys with the per-query mask; the slots of the rows that hold
-  compressed entries (the row of the token completing each block, see ``kernels/attention_core.py``) with
+  compressed entries (the row of the token completing each block, see ``model/paged_cache.py``) with
   the per-query visibility; and the slots of the rows of every block this step completes.
 
 Positions outside a sequence are clamped into ``[0, last position of the segment]`` for addressing (and

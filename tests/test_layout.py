@@ -1,0 +1,99 @@
+"""The repository's shape, as the README promises it: the layout table matches the tree, imports run one way
+with no cycle, and no source file outgrows what a reader takes in at once."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "vllm_dsv4_mtp"
+
+
+def _layout_table() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("| path | what |", 1)[1].split("\n\n", 1)[0]
+    return re.findall(r"^\| `([^`]+)` \|", table, flags=re.M)
+
+
+def test_readme_layout_table_matches_the_tree():
+    paths = _layout_table()
+    missing = [p for p in paths if not (ROOT / p).exists()]
+    assert not missing, f"README layout table names paths that do not exist: {missing}"
+    covered = {p.rstrip("/") for p in paths}
+    in_package = [p.relative_to(ROOT).as_posix() for p in PKG.iterdir()
+                  if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")]
+    top = [p.name for p in ROOT.iterdir()
+           if p.is_dir() and not p.name.startswith(".") and not p.name.endswith(".egg-info") and p.name != PKG.name]
+    uncovered = [p for p in in_package + top
+                 if p not in covered and not any(c.startswith(p + "/") for c in covered)]
+    assert not uncovered, f"in the tree but not in the README layout table: {sorted(uncovered)}"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> the plugin modules it imports (at any depth of the file: lazy imports count too)."""
+    files = [p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts]
+    modules = {_module_name(p): p for p in files}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for t in targets:
+                while t and t not in modules:
+                    t = t.rpartition(".")[0]
+                if t and t != name and t != "vllm_dsv4_mtp":
+                    deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycles_between_the_plugins_modules():
+    graph = _imports()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_model_code_imports_only_downward():
+    """``model/`` is model code: it may use config, formats, weights and the platform choice, never the
+    commands, benchmarks, test oracles or the embedded model built on top of it."""
+    upward = ("serve", "evaluate", "embedded", "tools", "benchmarks", "testing", "quant", "cli", "gfx950")
+    bad = {m: sorted(d for d in deps if d.split(".")[1] in upward)
+           for m, deps in _imports().items() if m.startswith("vllm_dsv4_mtp.model")}
+    assert not {m: d for m, d in bad.items() if d}, bad
+
+
+def test_no_source_file_over_500_lines():
+    files = [p for d in (PKG, ROOT / "quant", ROOT / "tests") for p in d.rglob("*.py") if "__pycache__" not in p.parts]
+    long = {p.relative_to(ROOT).as_posix(): n for p in files if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long

@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 
 import pytest
-import torch
+from checkpoints import random_prompts, sharpened_tiny
 
 pytestmark = pytest.mark.engine
 
@@ -27,20 +27,9 @@ PROMPT_LENS = (5, 130, 300, 520)
 RATIOS = [0, 4, 128, 4, 0]
 
 
-def _prompts(vocab, lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lens]
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
-
-    d = build_tiny_checkpoint(tmp_path_factory.mktemp("dsv4") / "bf16",
-                              tiny_config(compress_ratios=RATIOS, index_n_heads=64, index_topk=8), seed=0)
-    sharpen_routing(d)
-    return d
+    return sharpened_tiny(tmp_path_factory, "dsv4", seed=0, compress_ratios=RATIOS, index_n_heads=64, index_topk=8)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +60,7 @@ def test_plugin_model_serves_the_architecture(llm):
 def test_generate_mixed_length_batch(llm):
     from vllm import SamplingParams
 
-    prompts = _prompts(512, PROMPT_LENS)
+    prompts = random_prompts(PROMPT_LENS, seed=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=16, temperature=0.0, detokenize=False))
     gens = [list(o.outputs[0].token_ids) for o in outs]
@@ -85,7 +74,7 @@ def test_prompt_logprobs_match_hf(llm, hf):
 
     from vllm_dsv4_mtp.testing.hf_oracle import compare_prompt_logprobs
 
-    prompts = _prompts(512, PROMPT_LENS, seed=1)
+    prompts = random_prompts(PROMPT_LENS, seed=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False))
     r = compare_prompt_logprobs(outs, prompts, hf)
@@ -100,7 +89,7 @@ def test_decode_equals_full_recompute(llm, hf):
 
     from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement
 
-    prompts = _prompts(512, (7, 126, 250, 381), seed=2)  # decode crosses t = 127 / 255 / 383 boundaries
+    prompts = random_prompts((7, 126, 250, 381), seed=2)  # decode crosses t = 127 / 255 / 383 boundaries
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=24, temperature=0.0, detokenize=False))
     r = greedy_agreement(outs, prompts, hf)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import operator
 
 import pytest
-import torch
+from checkpoints import random_prompts, sharpened_tiny
 
 pytestmark = pytest.mark.engine
 
@@ -26,23 +26,13 @@ PROMPT_LENS = (5, 130, 300, 520)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
-
-    d = build_tiny_checkpoint(tmp_path_factory.mktemp("dsv4") / "bf16", tiny_config(index_n_heads=64), seed=0)
-    sharpen_routing(d)
-    return d
+    return sharpened_tiny(tmp_path_factory, "bf16", seed=0, index_n_heads=64)
 
 
 @pytest.fixture(scope="module")
 def llm(ckpt, start_engine):
     return start_engine(ckpt, apply_model=True, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
                         max_num_seqs=8, seed=0)
-
-
-def _prompts(lens, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 512, (n,), generator=g).tolist() for n in lens]
 
 
 def test_bf16_model_and_text_generation(llm):
@@ -63,7 +53,7 @@ def test_prompt_logprobs_within_bf16_noise_floor(llm, ckpt):
 
     from vllm_dsv4_mtp.testing.hf_oracle import compare_prompt_logprobs, load_hf_model
 
-    prompts = _prompts(PROMPT_LENS, seed=0)
+    prompts = random_prompts(PROMPT_LENS, seed=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False))
     r = compare_prompt_logprobs(outs, prompts, load_hf_model(ckpt))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checkpoints import sharpened_tiny
 
 pytestmark = pytest.mark.engine
 
@@ -26,13 +27,7 @@ RATIOS = [0, 4, 8, 4, 0]
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
-
-    d = build_tiny_checkpoint(tmp_path_factory.mktemp("dsv4") / "c8",
-                              tiny_config(compress_ratios=RATIOS, index_n_heads=64, index_topk=8), seed=1)
-    sharpen_routing(d)
-    return d
+    return sharpened_tiny(tmp_path_factory, "c8", seed=1, compress_ratios=RATIOS, index_n_heads=64, index_topk=8)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import operator
 
 import pytest
 import torch
+from checkpoints import random_prompts, sharpened_tiny
 
 pytestmark = pytest.mark.engine
 
@@ -31,13 +32,7 @@ PROMPT_LENS = (5, 130, 300, 520)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
-
-    d = build_tiny_checkpoint(tmp_path_factory.mktemp("dsv4") / "mxfp4", tiny_config(index_n_heads=64), seed=0,
-                              experts="mxfp4")
-    sharpen_routing(d)
-    return d
+    return sharpened_tiny(tmp_path_factory, "mxfp4", seed=0, experts="mxfp4", index_n_heads=64)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +45,7 @@ def llm(ckpt, start_engine):
 def outputs(llm):
     from vllm import SamplingParams
 
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(PROMPT_LENS, seed=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=1, detokenize=False))
     return prompts, outs

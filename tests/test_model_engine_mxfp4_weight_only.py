@@ -13,7 +13,7 @@ import json
 import operator
 
 import pytest
-import torch
+from checkpoints import random_prompts, sharpened_tiny
 
 pytestmark = pytest.mark.engine
 
@@ -23,12 +23,7 @@ PROMPT_LENS = (5, 130, 300, 520)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
-
-    d = build_tiny_checkpoint(tmp_path_factory.mktemp("dsv4") / "w4a16", tiny_config(index_n_heads=64), seed=0,
-                              experts="mxfp4")
-    sharpen_routing(d)
+    d = sharpened_tiny(tmp_path_factory, "w4a16", seed=0, experts="mxfp4", index_n_heads=64)
     cfg = json.loads((d / "config.json").read_text())
     cfg["quantization_config"]["global_quant_config"]["input_tensors"] = None  # weight-only
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -48,11 +43,6 @@ def hf(ckpt, tmp_path_factory):
     return load_hf_model(dequantized_copy(ckpt, tmp_path_factory.mktemp("deq") / "bf16"))
 
 
-def _prompts(lens, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 512, (n,), generator=g).tolist() for n in lens]
-
-
 def test_weight_only_mxfp4_equals_hf_on_dequantized_weights(llm, hf):
     from vllm import SamplingParams
 
@@ -60,7 +50,7 @@ def test_weight_only_mxfp4_equals_hf_on_dequantized_weights(llm, hf):
 
     info = llm.apply_model(operator.methodcaller("describe"))[0]
     assert info["expert_activation_quant"] == [False] * 4
-    prompts = _prompts(PROMPT_LENS, seed=0)
+    prompts = random_prompts(PROMPT_LENS, seed=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False))
     r = compare_prompt_logprobs(outs, prompts, hf)
@@ -73,7 +63,7 @@ def test_weight_only_mxfp4_decode_equals_recompute(llm, hf):
 
     from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement
 
-    prompts = _prompts((9, 140, 260), seed=3)
+    prompts = random_prompts((9, 140, 260), seed=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=20, temperature=0.0, detokenize=False))
     r = greedy_agreement(outs, prompts, hf)

@@ -12,7 +12,7 @@ near 100 % at every draft position. The random-MTP counterpart (acceptance near 
 from __future__ import annotations
 
 import pytest
-import torch
+from checkpoints import random_prompts
 
 pytestmark = pytest.mark.engine
 
@@ -38,9 +38,8 @@ def llm(model, start_engine):
                         speculative_config={"method": "mtp", "num_speculative_tokens": K})
 
 
-def _prompts(vocab=512, seed=11):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+def _prompts(seed=11):
+    return random_prompts(PROMPT_LENS, seed)
 
 
 def _run(llm, prompts, params):

@@ -20,7 +20,7 @@ Chunked prefill (prompts prefilled, and drafted over, in pieces) is checked agai
 from __future__ import annotations
 
 import pytest
-import torch
+from checkpoints import random_prompts, sharpened_tiny
 from engines import vllm_engine
 
 pytestmark = pytest.mark.engine
@@ -31,19 +31,11 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
-    from vllm_dsv4_mtp.testing.mtp_checkpoints import scale_head
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
-
-    d = build_tiny_checkpoint(tmp_path_factory.mktemp("mtp-lossless") / "ckpt", seed=2)
-    scale_head(d, 8.0)
-    sharpen_routing(d)
-    return d
+    return sharpened_tiny(tmp_path_factory, "mtp-lossless", seed=2, head_scale=8.0)
 
 
-def _prompts(vocab=512, seed=21):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+def _prompts(seed=21):
+    return random_prompts(PROMPT_LENS, seed)
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +97,7 @@ def test_chunked_prefill_with_mtp_follows_the_target(ckpt):
                      enable_chunked_prefill=True, max_num_batched_tokens=64,
                      speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
         assert llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
-        g = torch.Generator().manual_seed(22)
-        prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (20, 130, 200)]
+        prompts = random_prompts((20, 130, 200), seed=22)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False),
                             use_tqdm=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checkpoints import random_prompts, sharpened_tiny
 from engines import drafter
 
 pytestmark = pytest.mark.engine
@@ -32,13 +33,8 @@ HIDDEN_ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
-
     # 64 indexer heads: no exact ties of the C4 indexer's scores (as in test_model_engine)
-    d = build_tiny_checkpoint(tmp_path_factory.mktemp("mtp-ref") / "bf16", tiny_config(index_n_heads=64), seed=3)
-    sharpen_routing(d)
-    return d
+    return sharpened_tiny(tmp_path_factory, "mtp-ref", seed=3, index_n_heads=64)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +53,7 @@ def run(ckpt, start_engine):
         calls.append({k: kwargs[k].detach().clone() for k in ("input_ids", "positions", "hidden_states")}
                      | {"out": out.detach().clone()})
 
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(PROMPT_LENS, seed=7)
     handle = draft.register_forward_hook(record, with_kwargs=True)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 
 import pytest
-import torch
+from checkpoints import random_prompts, sharpened_tiny
 
 pytestmark = pytest.mark.engine
 
@@ -25,14 +25,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
-    from vllm_dsv4_mtp.testing.mtp_checkpoints import scale_head
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
-
-    d = build_tiny_checkpoint(tmp_path_factory.mktemp("mtp-rejected") / "ckpt", seed=4)
-    scale_head(d, 8.0)
-    sharpen_routing(d)
-    return d
+    return sharpened_tiny(tmp_path_factory, "mtp-rejected", seed=4, head_scale=8.0)
 
 
 def _run(ckpt, k: int):
@@ -40,8 +33,7 @@ def _run(ckpt, k: int):
 
     from vllm_dsv4_mtp.serve.metrics import spec_decode_from_llm
 
-    g = torch.Generator().manual_seed(31)
-    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(PROMPT_LENS, seed=31)
     sc = {"method": "mtp", "num_speculative_tokens": k} if k else None
     llm = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
               skip_tokenizer_init=True, seed=0, speculative_config=sc, disable_log_stats=False)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
+from checkpoints import random_prompts, sharpened_tiny
 from servers import post_json
 
 pytestmark = pytest.mark.engine
@@ -25,14 +25,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
-    from vllm_dsv4_mtp.testing.mtp_checkpoints import scale_head
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
-
-    d = build_tiny_checkpoint(tmp_path_factory.mktemp("mtp-server") / "bf16", tiny_config(index_n_heads=64), seed=4)
-    sharpen_routing(d)
-    scale_head(d, 4.0)
-    return d
+    return sharpened_tiny(tmp_path_factory, "mtp-server", seed=4, head_scale=4.0, index_n_heads=64)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +34,8 @@ def server(ckpt, start_server):
     return start_server(ckpt, mtp_k=K, extra_args=["--dtype", "float32", "--max-model-len", "512", "--seed", "0"])
 
 
-def _prompts(vocab=512, seed=31):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+def _prompts(seed=31):
+    return random_prompts(PROMPT_LENS, seed)
 
 
 def _complete(url, prompt, **kw):

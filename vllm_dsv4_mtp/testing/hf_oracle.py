@@ -81,20 +81,9 @@ def sharpen_routing(ckpt: str | Path, bias_scale: float = 100.0) -> None:
     choice no longer flips on near-ties under rounding. Parity tests use it to see the precision floor of
     everything else.
     """
-    from safetensors.torch import load_file, save_file
+    from vllm_dsv4_mtp.testing.mtp_checkpoints import rewrite_tensors
 
-    files = sorted(Path(ckpt).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{ckpt}: no safetensors files")
-    for f in files:
-        tensors = load_file(str(f))
-        changed = False
-        for name in tensors:
-            if name.endswith("ffn.gate.bias"):
-                tensors[name] = tensors[name] * bias_scale
-                changed = True
-        if changed:
-            save_file(tensors, str(f), metadata={"format": "pt"})
+    rewrite_tensors(ckpt, lambda name, t: t * bias_scale if name.endswith("ffn.gate.bias") else None)
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 
-def _rewrite(ckpt: str | Path, edit) -> None:
+def rewrite_tensors(ckpt: str | Path, edit) -> None:
     """Apply ``edit(name, tensor) -> tensor | None`` to every tensor of a checkpoint's safetensors, in place."""
     from safetensors.torch import load_file, save_file
 
@@ -49,7 +49,7 @@ def _rewrite(ckpt: str | Path, edit) -> None:
 
 def scale_head(ckpt: str | Path, factor: float) -> None:
     """Multiply ``head.weight`` by ``factor`` in place (peaked logits; the argmax is unchanged)."""
-    _rewrite(ckpt, lambda name, t: t.float() * factor if name == "head.weight" else None)
+    rewrite_tensors(ckpt, lambda name, t: t.float() * factor if name == "head.weight" else None)
 
 
 def make_permutation_model(ckpt: str | Path, *, seed: int = 0, alpha: float = 3.0,
@@ -91,7 +91,7 @@ def make_permutation_model(ckpt: str | Path, *, seed: int = 0, alpha: float = 3.
             return torch.ones_like(t, dtype=torch.float32)
         return None
 
-    _rewrite(ckpt, edit)
+    rewrite_tensors(ckpt, edit)
     return perm.tolist()
 
 

@@ -8,55 +8,21 @@ from __future__ import annotations
 
 import torch
 
-# HF-style config.json of the embedded model (the fields of https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/config.json, legacy names as
-# in the real releases). head_dim / index dims are smaller than the real model's: the plugin's portable
-# kernels take any dims, and a 2-core CPU can train this in well under an hour.
-MODEL_CONFIG: dict = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
-    "vocab_size": 640,
-    "hidden_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 64,
-    "o_lora_rank": 64,
-    "o_groups": 2,
-    "sliding_window": 128,
-    "compress_ratios": [0, 4, 128, 4, 0],
-    "compress_rope_theta": 160000.0,
-    "rope_theta": 10000.0,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                     "beta_fast": 32, "beta_slow": 1},
-    "max_position_embeddings": 4096,
-    "index_n_heads": 8,
-    "index_head_dim": 64,
-    "index_topk": 16,
-    "num_hash_layers": 1,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "moe_intermediate_size": 128,
-    "scoring_func": "sqrtsoftplus",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "swiglu_limit": 10.0,
-    "hidden_act": "silu",
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-6,
-    "num_nextn_predict_layers": 1,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "pad_token_id": 2,
-    "initializer_range": 0.02,
-    "torch_dtype": "bfloat16",
-}
+from vllm_dsv4_mtp.tools.tiny import tiny_config
+
+# config.json of the embedded model: the tiny checkpoints' layout (``tools.tiny.TINY_CONFIG``: the fields of
+# https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/config.json, legacy names as in the real
+# releases) with the sizes a 2-core CPU trains in well under an hour; the portable kernels take any dims.
+MODEL_CONFIG: dict = tiny_config(
+    vocab_size=640,  # the embedded BPE tokenizer's vocabulary
+    o_lora_rank=64,
+    index_n_heads=8,
+    index_head_dim=64,
+    index_topk=16,
+    moe_intermediate_size=128,
+    pad_token_id=2,
+    initializer_range=0.02,
+)
 
 
 def hf_config(cfg: dict):

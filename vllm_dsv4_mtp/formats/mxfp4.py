@@ -193,10 +193,25 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 
 
 def fake_quant(x: torch.Tensor, group_size: int = BLOCK_SIZE) -> torch.Tensor:
-    """Quantize-dequantize ``x [..., K]`` (the W4A4 activation rounding); same shape and dtype as ``x``."""
-    codes, scales = quantize_codes(x, group_size)
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)[codes.long()]
-    return _scaled(values, scales, group_size).to(x.dtype)
+    """Quantize-dequantize ``x [..., K]`` (the W4A4 activation rounding); same shape and dtype as ``x``.
+
+    The same values as ``dequantize(*quantize(x))``, bit for bit, in about a third of the ops (it runs on every
+    W4A4 GEMM input of every step): no codes are formed. A block's elements, divided by its E8M0 scale, are
+    rounded to the E2M1 grid directly: the grid's spacing is 0.5 below 2, 1 below 4 and 2 up to 6 (the largest
+    value), and ``torch.round`` rounds half to even, which is E2M1's tie rule (ties go to the even code).
+    """
+    if x.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"MXFP4 quantize needs a floating-point tensor, got {x.dtype}")
+    _check_last_dim(x, group_size)
+    lead, k = x.shape[:-1], x.shape[-1]
+    blocks = x.to(torch.float32).reshape(*lead, k // group_size, group_size)
+    scale = e8m0_to_float(e8m0_scale_even(blocks.abs().amax(dim=-1))).unsqueeze(-1)
+    v = blocks / scale  # exact: a power of two (NaN for a NaN block, which stays NaN below)
+    a = v.abs()
+    per_unit = torch.where(a < 2, 2.0, torch.where(a < 4, 1.0, 0.5))  # 1 / grid spacing
+    q = (torch.round(a * per_unit) / per_unit).clamp_(max=6.0)  # saturates at 6, as the largest code
+    # + 0.0: an element that rounds to zero is +0.0, as Quark writes it (copysign would keep -0.0)
+    return (torch.copysign(q, v) * scale + 0.0).reshape(*lead, k).to(x.dtype)
 
 
 def _scaled(values: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.model.attention import DeepseekV4Attention
 from vllm_dsv4_mtp.model.hyper_connection import HyperConnection
 from vllm_dsv4_mtp.model.moe import DeepseekV4MoE
+from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.quantization import LayerRounding
 
 
@@ -48,6 +49,6 @@ class DeepseekV4DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """``x: [T, hc, D]`` streams, ``positions: [T]``, ``input_ids: [T]`` -> ``[T, hc, D]``."""
         u, post, comb = self.hc_attn.pre(x)
-        x = self.hc_attn.post(self.attn(positions, self.attn_norm(u)), x, post, comb)
+        x = self.hc_attn.post(self.attn(positions, rms_norm(u, self.attn_norm)), x, post, comb)
         u, post, comb = self.hc_ffn.pre(x)
-        return self.hc_ffn.post(self.ffn(self.ffn_norm(u), input_ids), x, post, comb)
+        return self.hc_ffn.post(self.ffn(rms_norm(u, self.ffn_norm), input_ids), x, post, comb)

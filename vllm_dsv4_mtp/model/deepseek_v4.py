@@ -29,6 +29,7 @@ from vllm_dsv4_mtp.config import spec_from_hf_config
 from vllm_dsv4_mtp.formats.checkpoint import validate_shard_headers
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
+from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.quantization import layer_rounding
 from vllm_dsv4_mtp.weights.loader import TARGET, CheckpointLoader
 from vllm_dsv4_mtp.weights.names import target_param
@@ -76,7 +77,7 @@ class DeepseekV4Model(nn.Module):
             x = layer(positions, x, input_ids)
         if self._mtp_hidden_buffer is not None:
             self._mtp_hidden_buffer[: x.shape[0]].copy_(x.flatten(1))
-        return self.norm(self.hc_head(x))
+        return rms_norm(self.hc_head(x), self.norm)
 
 
 class DeepseekV4ForCausalLM(nn.Module):

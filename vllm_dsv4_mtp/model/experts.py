@@ -98,9 +98,11 @@ class PortableExperts(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         return self._act(swiglu_clamped(gate, up, self.swiglu_limit))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                x_rounded: torch.Tensor | None = None) -> torch.Tensor:
         """``x: [T, D]``, ``weights: [T, k]`` float32, ``ids: [T, k]`` global expert ids -> ``[T, D]``
-        (this rank's partial sum of ``sum_k weights[:, k] * expert_{ids[:, k]}(x)``)."""
+        (this rank's partial sum of ``sum_k weights[:, k] * expert_{ids[:, k]}(x)``). ``x_rounded``: ``x``
+        already rounded to MXFP4 (the MoE rounds it once for its routed and shared experts)."""
         t, k = ids.shape
         local = ids.reshape(-1) - self.first_expert
         keep = (local >= 0) & (local < self.local_experts)
@@ -108,7 +110,7 @@ class PortableExperts(nn.Module):
         expert, weight = local[keep], weights.reshape(-1)[keep]
         out = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
         if expert.numel():
-            xq = self._act(x)
+            xq = x_rounded if x_rounded is not None else self._act(x)
             if 4 * expert.numel() >= self.local_experts:
                 y = self._grouped(xq, token, expert)
             else:

@@ -96,8 +96,9 @@ class SharedExpert(nn.Module):
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         return mxfp4.fake_quant(x) if self.activation_quant else x
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(self._act(x)).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, x_rounded: torch.Tensor | None = None) -> torch.Tensor:
+        """``x: [T, D]`` -> ``[T, D]``; ``x_rounded``: ``x`` already rounded to MXFP4 (W4A4 only)."""
+        gate, up = self.gate_up_proj(x_rounded if x_rounded is not None else self._act(x)).chunk(2, dim=-1)
         return self.down_proj(self._act(swiglu_clamped(gate, up, self.swiglu_limit)))
 
 
@@ -131,7 +132,10 @@ class DeepseekV4MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """``x: [T, D]`` (the normed sub-layer input), ``input_ids: [T]`` -> ``[T, D]``."""
         weights, ids = self.gate(x, input_ids)
-        out = self.experts(x, weights, ids) + self.shared_experts(x)
+        # under W4A4 both expert kinds round the same input: once
+        both = self.experts.activation_quant and self.shared_experts.activation_quant
+        x_rounded = mxfp4.fake_quant(x) if both else None
+        out = self.experts(x, weights, ids, x_rounded) + self.shared_experts(x, x_rounded)
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

@@ -47,6 +47,7 @@ from vllm_dsv4_mtp import draft_policy
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
+from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.workarounds.cpu_expand_kernel import ensure_expand_kernel
 from vllm_dsv4_mtp.weights.loader import DRAFT, CheckpointLoader
 from vllm_dsv4_mtp.weights.names import PORTABLE, draft_param
@@ -104,9 +105,9 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
         hc, d = self.hc_mult, self.hidden_size
         # position 0 has no previous token: vLLM (V3 MTP onwards) zeroes its embedding; a zero row stays 0
         e = inputs_embeds[:t].masked_fill((positions == 0).unsqueeze(-1), 0.0)
-        e = self.e_proj(self.enorm(e))  # [T, D]
+        e = self.e_proj(rms_norm(e, self.enorm))  # [T, D]
         h = previous_hidden_states[:t].reshape(t * hc, d)
-        h = self.h_proj(self.hnorm(h)).view(t, hc, d)  # hnorm per stream
+        h = self.h_proj(rms_norm(h, self.hnorm)).view(t, hc, d)  # hnorm per stream
         x = h + e.unsqueeze(1)
         x = self.mtp_block(positions, x, input_ids[:t])
         return x.flatten(1)
@@ -114,7 +115,7 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
     def final_hidden(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hc*D]`` pre-``hc_head`` state -> ``[N, D]`` after this layer's ``hc_head`` and norm."""
         x = hidden_states.view(hidden_states.shape[0], self.hc_mult, self.hidden_size)
-        return self.shared_head.norm(self.hc_head(x))
+        return rms_norm(self.hc_head(x), self.shared_head.norm)
 
 
 class DeepSeekV4MultiTokenPredictor(nn.Module):

@@ -1,4 +1,4 @@
-"""RMS norm of the attention's small per-token vectors (``q_norm``, ``kv_norm``, compressor norms)."""
+"""The model's RMS norms (sub-layer, ``q_norm`` / ``kv_norm``, compressor, MTP and final norms)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
     """``norm(x)`` for a vLLM ``RMSNorm`` (its weight and eps), ``x: [..., C]`` -> same shape and dtype.
 
     On CPU, where vLLM runs this norm's native formula, the same formula op for op (the same values) without
-    the custom-op dispatch, which costs more host time than these few-hundred-element norms themselves.
+    the custom-op dispatch, which costs more host time than these norms of a few hundred channels per token.
     """
     if x.device.type != "cpu":
         return norm(x)

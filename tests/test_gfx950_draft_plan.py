@@ -113,7 +113,7 @@ def engine_config(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def layers(vllm_dist, engine_config):
+def layers(vllm_dist, engine_config):  # vllm_dist: vLLM's parallel layers are built inside it
     return _layers(engine_config)
 
 

@@ -147,7 +147,8 @@ def _ours_full(mine, x, pos, chunks=None):
     ([0, 4, 128, 4, 0], 0), ([0, 4, 128, 4, 0], 1), ([0, 4, 128, 4, 0], 2),
     ([0, 4, 8, 4, 0], 1), ([0, 4, 8, 4, 0], 2),
 ])
-def test_attention_matches_hf(vllm_dist, tmp_path, ratios, lid):
+@pytest.mark.usefixtures("vllm_dist")
+def test_attention_matches_hf(tmp_path, ratios, lid):
     """Full-sequence attention of every layer type over 300 tokens (window 128 wraps, C128 emits 2 entries,
     C4 has 75 entries of which the indexer keeps 4 per query)."""
     from transformers.masking_utils import create_sliding_window_causal_mask
@@ -167,7 +168,8 @@ def test_attention_matches_hf(vllm_dist, tmp_path, ratios, lid):
     torch.testing.assert_close(y, y_ref[0], atol=ATOL, rtol=0)
 
 
-def test_attention_chunked_queries_equal_full(vllm_dist, tmp_path):
+@pytest.mark.usefixtures("vllm_dist")
+def test_attention_chunked_queries_equal_full(tmp_path):
     """Queries processed in pieces (as chunked prefill / decode do, over rows 0..end) give the same output."""
     cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=5)
     x = torch.randn(300, cfg["hidden_size"])
@@ -178,7 +180,8 @@ def test_attention_chunked_queries_equal_full(vllm_dist, tmp_path):
     torch.testing.assert_close(pieces, full, atol=1e-5, rtol=0)
 
 
-def test_batched_sequences_equal_each_alone(vllm_dist, tmp_path):
+@pytest.mark.usefixtures("vllm_dist")
+def test_batched_sequences_equal_each_alone(tmp_path):
     """One step over several sequences at once (a prefill, a chunk continuation, decodes, a verify window,
     segments of different lengths) gives each sequence what it gets alone, for every layer type."""
     from paged_layer import PagedSequences
@@ -199,7 +202,8 @@ def test_batched_sequences_equal_each_alone(vllm_dist, tmp_path):
             torch.testing.assert_close(torch.cat(got[s]), alone[s], atol=1e-5, rtol=0)
 
 
-def test_rows_of_rejected_drafts_never_change_a_later_step(vllm_dist, tmp_path):
+@pytest.mark.usefixtures("vllm_dist")
+def test_rows_of_rejected_drafts_never_change_a_later_step(tmp_path):
     """A verify window whose drafts complete a C4 and a C128 block (positions 127, 128), then rejected: the
     next step (corrected tokens at those positions) equals a run that never saw the drafts."""
     from paged_layer import PagedSequences
@@ -230,7 +234,8 @@ def test_rows_of_rejected_drafts_never_change_a_later_step(vllm_dist, tmp_path):
         assert (wrong - later[2:3]).abs().max() > 1e-3
 
 
-def test_indexer_really_selects(vllm_dist, tmp_path):
+@pytest.mark.usefixtures("vllm_dist")
+def test_indexer_really_selects(tmp_path):
     """With index_topk=4 the C4 attention depends on which entries the indexer keeps (not all of them)."""
     cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=7)
     x = torch.randn(300, cfg["hidden_size"])
@@ -278,7 +283,8 @@ def _copy_moe(ref, mine, fmt):
 
 @pytest.mark.parametrize("is_hash", [True, False])
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-def test_moe_matches_hf(vllm_dist, tmp_path, is_hash, fmt):
+@pytest.mark.usefixtures("vllm_dist")
+def test_moe_matches_hf(tmp_path, is_hash, fmt):
     """Router (hash / bias-selected), SwiGLU clamp, shared expert; MXFP4 weight-only equals HF on the decoded
     weights; W4A4 equals the same experts on fake-quantised activations."""
     from vllm_dsv4_mtp.formats import mxfp4
@@ -325,7 +331,8 @@ def test_moe_matches_hf(vllm_dist, tmp_path, is_hash, fmt):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_rms_norm_equals_vllm_rmsnorm(vllm_dist, dtype):
+@pytest.mark.usefixtures("vllm_dist")
+def test_attention_rms_norm_equals_vllm_rmsnorm(dtype):
     """The attention's norms skip vLLM's custom-op dispatch on CPU and must give RMSNorm's values exactly."""
     from vllm.model_executor.layers.layernorm import RMSNorm
 

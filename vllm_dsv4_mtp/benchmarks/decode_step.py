@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_MLA_DISABLE", "1")  # keeps chunked prefill for model_type deepseek_v4
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm_dsv4_mtp.benchmarks import report
     from vllm_dsv4_mtp.evaluate.common import machine
 
     with tempfile.TemporaryDirectory(prefix="dsv4-decode-bench-") as tmp:
@@ -225,14 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {json.dumps(machine())}; load average at the end: {os.getloadavg()}")
     print(f"medians of {args.reps} runs; decode step = (t(prefill + {args.decode}) - t(prefill + 1)) / "
           f"{args.decode - 1}; flags {ENGINE_FLAGS}")
-    print(render(results))
     out = {"machine": machine(), "reps": args.reps, "decode": args.decode, "flags": ENGINE_FLAGS,
            "results": results}
-    print("RESULT " + json.dumps(out))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0
+    return report(render(results), out, args.json)
 
 
 if __name__ == "__main__":

@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_MLA_DISABLE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm_dsv4_mtp.benchmarks import report
     from vllm_dsv4_mtp.benchmarks.decode_step import model_dirs
 
     with tempfile.TemporaryDirectory(prefix="dsv4-step-parts-") as tmp:
@@ -222,12 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.mtp_k:
             results += [measure(m, dirs[m], args.batches, args.steps, args.mtp_k) for m in args.models
                         if m != "floor"]
-    print(render(results))
-    print("RESULT " + json.dumps(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
+    return report(render(results), results, args.json)
 
 
 if __name__ == "__main__":

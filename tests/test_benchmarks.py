@@ -1,0 +1,35 @@
+"""The issue-10 benchmark (``python -m vllm_dsv4_mtp.benchmarks.decode_step``) runs end to end through vLLM's
+engine and prints what docs/benchmarks.md records: the floor and the plugin measured in one run, each plugin
+cell's ratio to the floor of that run."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+
+def test_decode_step_prints_the_plugin_against_the_floor_of_the_same_run(tmp_path):
+    out = tmp_path / "decode.json"
+    r = subprocess.run([sys.executable, "-m", "vllm_dsv4_mtp.benchmarks.decode_step", "--models", "floor", "bf16",
+                        "--batches", "1", "2", "--contexts", "100", "300", "--reps", "1", "--decode", "5",
+                        "--no-mtp", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    floor, bf16 = result["results"]
+    assert (floor["model"], bf16["model"]) == ("floor", "bf16")
+    for m in (floor, bf16):
+        assert set(m["batch_ms"]) == {"1", "2"} and set(m["context_ms"]) == {"100", "300"}
+        assert all(0 < v < 10_000 for v in [*m["batch_ms"].values(), *m["context_ms"].values()])
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| plugin, embedded BF16 |"))
+    cells = re.findall(r"([\d.]+) \(([\d.]+)x\)", row)
+    assert len(cells) == 2  # batch 1 and 2, each with its ratio to this run's floor
+    for (ms, ratio), b in zip(cells, ("1", "2")):
+        assert float(ms) == pytest.approx(bf16["batch_ms"][b], abs=0.006)
+        assert float(ratio) == pytest.approx(bf16["batch_ms"][b] / floor["batch_ms"][b], abs=0.051)
+    assert json.loads(r.stdout.split("RESULT ", 1)[1].splitlines()[0]) == result

@@ -1,6 +1,6 @@
 """amd-quark's own file-to-file flow for DeepSeek-V4 (for users with a GPU):
 
-    python -m quant.quark_flow SRC DST [--device cuda] [--shared-experts keep|mxfp4] [--force]
+    python -m vllm_dsv4_mtp.quant.quark_flow SRC DST [--device cuda] [--shared-experts keep|mxfp4] [--force]
 
 It runs ``ModelQuantizer(LLMTemplate.get("deepseek_v4").get_config("mxfp4", exclude_layers=...))
 .direct_quantize_checkpoint(SRC, ..., keep_excluded_layers_as_original_model_state=<SRC is quantized>,
@@ -15,8 +15,8 @@ Guards around Quark's behaviour:
   after any run checks that Quark really wrote a Quark checkpoint.
 - Quark keeps an excluded MTP layer as stored: from the official FP8 release the MTP stays FP8/FP4 (``dsv4-mtp
   quantize`` writes it BF16, the project's policy); from a BF16 source it stays BF16 either way.
-- output goes to a hidden directory next to DST that replaces DST atomically at the end (``vllm_dsv4_mtp.quant.publish``, as
-  for ``dsv4-mtp quantize``); DST is replaced only with --force.
+- output goes to a hidden directory next to DST that replaces DST atomically at the end
+  (``vllm_dsv4_mtp.quant.publish``, as for ``dsv4-mtp quantize``); DST is replaced only with --force.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _check_quark_output(out: Path, src: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m quant.quark_flow", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m vllm_dsv4_mtp.quant.quark_flow", description=__doc__.splitlines()[0])
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--device", default=None, help="cuda (default when a GPU is visible), cuda:N, or cpu "

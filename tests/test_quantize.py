@@ -146,7 +146,7 @@ def test_experts_decode_to_quark_fake_quant(quark, bf16_src, bf16_out):
 
 @pytest.mark.quark
 def test_identical_to_amd_quarks_own_file_to_file_flow(quark, bf16_src, bf16_out, work):
-    """quant.quark_flow runs Quark's direct_quantize_checkpoint (CPU works for BF16 sources): same tensors, same
+    """vllm_dsv4_mtp.quant.quark_flow runs Quark's direct_quantize_checkpoint (CPU works for BF16 sources): same tensors, same
     bytes, same quantization_config, same everything else in config.json."""
     from vllm_dsv4_mtp.quant.quark_flow import run_quark_flow
 

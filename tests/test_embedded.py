@@ -52,6 +52,15 @@ def test_shipped_data_is_the_generators_output():
     assert not {p["question"] for p in fewshot} & {p["question"] for p in test}
 
 
+def test_build_assets_regenerates_the_shipped_files_byte_for_byte(tmp_path):
+    """``python -m vllm_dsv4_mtp.embedded.data --seed 0`` (what the embedded README says made them): the held-out
+    set, the few-shot examples and the tokenizer, trained with the tiny checkpoints' one BPE trainer."""
+    gsm.build_assets(tmp_path, seed=0)
+    for rel in ("gsm_tiny_test.jsonl", "gsm_tiny_fewshot.jsonl", "tokenizer/tokenizer.json",
+                "tokenizer/tokenizer_config.json"):
+        assert (tmp_path / rel).read_bytes() == (ASSETS_DIR / rel).read_bytes(), rel
+
+
 # ------------------------------------------------------------------------------------------------ tokenizer
 
 

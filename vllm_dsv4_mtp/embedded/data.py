@@ -1,4 +1,5 @@
-"""Synthetic grade-school arithmetic word problems in GSM8K's format, and the BPE tokenizer trained on them.
+"""Synthetic grade-school arithmetic word problems in GSM8K's format, and the BPE tokenizer trained on them
+(``tools.tiny_tokenizer.train_bpe`` with every digit its own token).
 
 Every problem is ``{"question": ..., "answer": "<steps>\\n#### N"}`` exactly like GSM8K, so that lm-eval's
 ``gsm8k`` prompt (``Question: ...\\nAnswer: ...``) and answer extraction (``#### N``) apply unchanged.
@@ -17,6 +18,8 @@ import json
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from vllm_dsv4_mtp.tools.tiny_tokenizer import save_tokenizer, train_bpe
 
 # --------------------------------------------------------------------------------------------- vocabulary
 
@@ -230,58 +233,6 @@ def format_prompt(question: str, fewshot: list[Problem] = ()) -> str:
     return shots + f"Question: {question}\nAnswer:"
 
 
-# ---------------------------------------------------------------------------------------------- tokenizer
-# DeepSeek's special tokens at DeepSeek's ids (bos 0, eos 1) so config.json's bos/eos ids are the real
-# model's; vLLM's deepseek_v4 tokenizer mode renders chat prompts with the chat ones.
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-PAD = "<｜▁pad▁｜>"
-SPECIAL_TOKENS = [BOS, EOS, PAD, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
-
-
-def train_tokenizer(texts: list[str], vocab_size: int = 1024):
-    """Byte-level BPE; every digit is its own token (with an optional leading space) so numbers are
-    spelled digit by digit, which is what lets a tiny model learn the arithmetic. BOS is prepended."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r" ?[0-9]"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
-    )
-    return tok
-
-
-def save_tokenizer(tok, out_dir: Path, model_max_length: int = 4096) -> None:
-    """``tokenizer.json`` + ``tokenizer_config.json``: what transformers' TokenizersBackend (used by vLLM's
-    ``deepseek_v4`` tokenizer mode) and AutoTokenizer load from a model directory."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_dir / "tokenizer.json"))
-    cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": model_max_length,
-        "legacy": False,
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-
-
 def write_jsonl(path: Path, rows: list[Problem]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
@@ -302,7 +253,7 @@ def build_assets(out_dir: Path, seed: int = 0, n_train: int = 20000, n_test: int
     write_jsonl(out_dir / "gsm_tiny_fewshot.jsonl", train[:n_fewshot])
     if write_train:
         write_jsonl(out_dir / "gsm_tiny_train.jsonl", train)
-    tok = train_tokenizer([format_example(p) for p in train], vocab_size)
+    tok = train_bpe([format_example(p) for p in train], vocab_size, split_digits=True)
     save_tokenizer(tok, out_dir / "tokenizer")
     return train, test
 

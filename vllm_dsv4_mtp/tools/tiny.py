@@ -283,7 +283,7 @@ def build_tiny_checkpoint(
     if tok is not None:
         from vllm_dsv4_mtp.tools.tiny_tokenizer import save_tokenizer
 
-        save_tokenizer(out, spec.vocab_size, model_max_length=spec.max_position_embeddings, tokenizer=tok)
+        save_tokenizer(tok, out, model_max_length=spec.max_position_embeddings)
     return out
 
 

@@ -1,4 +1,4 @@
-"""A small byte-level BPE tokenizer for the tiny checkpoints, with DeepSeek-V4's special tokens.
+"""The byte-level BPE tokenizers of the tiny checkpoints and the embedded model, with DeepSeek-V4's special tokens.
 
 vLLM 0.32 forces ``tokenizer_mode="deepseek_v4"`` for ``DeepseekV4ForCausalLM``: it loads the directory with
 transformers' ``TokenizersBackend.from_pretrained`` (so ``tokenizer.json`` + ``tokenizer_config.json`` are what
@@ -7,12 +7,13 @@ it needs) and renders chat prompts with DeepSeek-V4's own encoder, which writes 
 ``<｜end▁of▁sentence｜>``. They are added here as special tokens so that a chat prompt becomes single
 special-token ids, as with the real tokenizer. ids: BOS 0, EOS 1 (the released configs' ``bos/eos_token_id``).
 
-The BPE merges are learnt from a fixed text generated in this module, so the tokenizer depends only on
-``vocab_size``.
+A tiny checkpoint's merges are learnt from a fixed text generated in this module, so its tokenizer depends only
+on ``vocab_size``; the embedded model's are learnt from its training problems (``embedded/data.py``).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -48,16 +49,19 @@ def builtin_text() -> str:
     return "".join(lines)
 
 
-def train_tokenizer(vocab_size: int):
-    """A byte-level BPE ``tokenizers.Tokenizer`` with exactly ``vocab_size`` tokens (specials first)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def train_bpe(texts, vocab_size: int, *, split_digits: bool = False):
+    """A byte-level BPE ``tokenizers.Tokenizer`` learnt from ``texts`` (an iterable of strings), the special
+    tokens first at ids 0, 1, 2, ...; BOS is prepended to every encoded prompt, as DeepSeek's tokenizer does.
 
-    n_min = 256 + len(SPECIAL_TOKENS)
-    if vocab_size < n_min:
-        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level BPE: need >= {n_min} "
-                         f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+    ``split_digits``: every digit is its own token (with an optional leading space), so numbers are spelled
+    digit by digit, which is what lets the embedded tiny model learn its arithmetic.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r" ?[0-9]"), behavior="isolated"),
+                                                  byte_level]) if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -65,29 +69,44 @@ def train_tokenizer(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(builtin_text().splitlines(keepends=True), trainer=trainer)
-    if tok.get_vocab_size() != vocab_size:
-        raise ValueError(f"vocab_size {vocab_size} is too large for the tiny tokenizer: its built-in text yields "
-                         f"only {tok.get_vocab_size()} BPE tokens (choose vocab_size <= {tok.get_vocab_size()})")
-    # BOS is prepended to every encoded prompt, as DeepSeek's own tokenizer does.
+    tok.train_from_iterator(texts, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)])
     return tok
 
 
-def save_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int = 4096, tokenizer=None) -> list[Path]:
-    """Write ``tokenizer.json`` + ``tokenizer_config.json`` (+ special tokens map) into ``out_dir``.
+def train_tokenizer(vocab_size: int):
+    """The tiny checkpoints' tokenizer: :func:`train_bpe` on :func:`builtin_text`, exactly ``vocab_size`` tokens."""
+    n_min = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < n_min:
+        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level BPE: need >= {n_min} "
+                         f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+    tok = train_bpe(builtin_text().splitlines(keepends=True), vocab_size)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} is too large for the tiny tokenizer: its built-in text yields "
+                         f"only {tok.get_vocab_size()} BPE tokens (choose vocab_size <= {tok.get_vocab_size()})")
+    return tok
 
-    ``tokenizer``: the result of :func:`train_tokenizer` for ``vocab_size`` when the caller already has it."""
-    from transformers import PreTrainedTokenizerFast
 
+def save_tokenizer(tok, out_dir: str | Path, model_max_length: int = 4096) -> list[Path]:
+    """``tokenizer.json`` + ``tokenizer_config.json`` into ``out_dir``: what transformers' TokenizersBackend (used
+    by vLLM's ``deepseek_v4`` tokenizer mode) and AutoTokenizer load from a model directory. Returns the files."""
     out_dir = Path(out_dir)
-    tok = tokenizer if tokenizer is not None else train_tokenizer(vocab_size)
     for i, s in enumerate(SPECIAL_TOKENS):
-        assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-        model_max_length=model_max_length, clean_up_tokenization_spaces=False,
-    )
-    files = fast.save_pretrained(str(out_dir))
-    return [Path(f) for f in files if Path(f).is_file()]
+        if tok.token_to_id(s) != i:
+            raise ValueError(f"special token {s!r} has id {tok.token_to_id(s)}, expected {i}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "legacy": False,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    return [out_dir / "tokenizer.json", out_dir / "tokenizer_config.json"]

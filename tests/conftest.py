@@ -22,14 +22,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def on_gfx950() -> bool:
-    """True on an AMD MI350/MI355 (gfx950) GPU with a ROCm build of torch."""
-    try:
-        import torch
-    except ImportError:
-        return False
-    if not (torch.cuda.is_available() and getattr(torch.version, "hip", None)):
-        return False
-    return "gfx950" in torch.cuda.get_device_properties(0).gcnArchName
+    """True on an AMD MI350/MI355 (gfx950) GPU: the plugin's own platform choice (``vllm_dsv4_mtp.platform``)."""
+    from vllm_dsv4_mtp.platform import is_gfx950
+
+    return is_gfx950()
 
 
 def pytest_collection_modifyitems(config, items):

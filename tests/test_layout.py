@@ -50,8 +50,13 @@ def _imports() -> dict[str, set[str]]:
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the importing module's package, up level - 1
+                    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                    package = package[: len(package) - (node.level - 1)]
+                    base = ".".join(package + ([node.module] if node.module else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
             for t in targets:
                 while t and t not in modules:
                     t = t.rpartition(".")[0]
@@ -96,4 +101,23 @@ def test_model_code_imports_only_downward():
 def test_no_source_file_over_500_lines():
     files = [p for d in (PKG, ROOT / "quant", ROOT / "tests") for p in d.rglob("*.py") if "__pycache__" not in p.parts]
     long = {p.relative_to(ROOT).as_posix(): n for p in files if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
+
+
+def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of a function's body, its docstring left out."""
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return 0 if not body else body[-1].end_lineno - body[0].lineno + 1
+
+
+def test_no_function_body_over_60_lines():
+    files = [p for d in (PKG, ROOT / "quant") for p in d.rglob("*.py") if "__pycache__" not in p.parts]
+    long = {}
+    for p in files:
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (n := _body_lines(node)) > 60:
+                long[f"{p.relative_to(ROOT).as_posix()}:{node.lineno} {node.name}"] = n
     assert not long, long

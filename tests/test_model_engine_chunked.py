@@ -16,8 +16,8 @@ hit) round, which must also produce the same tokens.
 from __future__ import annotations
 
 import pytest
-import torch
-from checkpoints import sharpened_tiny
+from checkpoints import random_prompts, sharpened_tiny
+from engines import PARITY_ENGINE
 
 pytestmark = pytest.mark.engine
 
@@ -32,9 +32,8 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(ckpt, start_engine):
-    return start_engine(ckpt, env={"VLLM_MLA_DISABLE": "1"}, dtype="float32", enforce_eager=True,
-                        max_model_len=1024, max_num_seqs=8, skip_tokenizer_init=True, enable_chunked_prefill=True,
-                        max_num_batched_tokens=64, enable_prefix_caching=True, seed=0)
+    return start_engine(ckpt, env={"VLLM_MLA_DISABLE": "1"}, **PARITY_ENGINE, enable_chunked_prefill=True,
+                        max_num_batched_tokens=64, enable_prefix_caching=True)
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +41,6 @@ def hf(ckpt):
     from vllm_dsv4_mtp.testing.hf_oracle import load_hf_model
 
     return load_hf_model(ckpt)
-
-
-def _rand(n, g):
-    return torch.randint(2, 512, (n,), generator=g).tolist()
 
 
 def test_engine_keeps_chunked_prefill_and_prefix_caching(llm):
@@ -60,8 +55,7 @@ def test_chunked_prompt_logprobs_match_hf(llm, hf):
 
     from vllm_dsv4_mtp.testing.hf_oracle import compare_prompt_logprobs
 
-    g = torch.Generator().manual_seed(0)
-    prompts = [_rand(n, g) for n in (450, 9, 200, 61)]  # 450 = 8 chunks of <= 64 tokens
+    prompts = random_prompts((450, 9, 200, 61), seed=0)  # 450 = 8 chunks of <= 64 tokens
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False))
     r = compare_prompt_logprobs(outs, prompts, hf)
@@ -74,9 +68,9 @@ def test_chunked_decode_and_prefix_cache_hits_equal_recompute(llm, hf):
 
     from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement
 
-    g = torch.Generator().manual_seed(1)
-    shared = _rand(300, g)  # > one 256-token block: the second round reuses it from the prefix cache
-    prompts = [shared + _rand(n, g) for n in (5, 40, 150)] + [_rand(70, g)]
+    # 300 tokens shared (> one 256-token block): the second round reuses them from the prefix cache
+    shared, *tails, alone = random_prompts((300, 5, 40, 150, 70), seed=1)
+    prompts = [shared + t for t in tails] + [alone]
     sp = SamplingParams(max_tokens=16, temperature=0.0, detokenize=False)
     first = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     second = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)

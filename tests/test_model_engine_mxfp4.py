@@ -22,6 +22,7 @@ import operator
 import pytest
 import torch
 from checkpoints import random_prompts, sharpened_tiny
+from engines import PARITY_ENGINE
 
 pytestmark = pytest.mark.engine
 
@@ -37,8 +38,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(ckpt, start_engine):
-    return start_engine(ckpt, apply_model=True, dtype="float32", enforce_eager=True, max_model_len=1024,
-                        max_num_seqs=8, skip_tokenizer_init=True, seed=0)
+    return start_engine(ckpt, apply_model=True, **PARITY_ENGINE)
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,9 @@ sequence at every step, and vLLM's counters show the drafts were (nearly all) re
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 from checkpoints import random_prompts, sharpened_tiny
+from engines import vllm_engine
 
 pytestmark = pytest.mark.engine
 
@@ -29,20 +28,18 @@ def ckpt(tmp_path_factory):
 
 
 def _run(ckpt, k: int):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_dsv4_mtp.serve.metrics import spec_decode_from_llm
 
     prompts = random_prompts(PROMPT_LENS, seed=31)
     sc = {"method": "mtp", "num_speculative_tokens": k} if k else None
-    llm = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
-              skip_tokenizer_init=True, seed=0, speculative_config=sc, disable_log_stats=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False),
-                        use_tqdm=False)
-    spec = spec_decode_from_llm(llm.get_metrics())
-    del llm
-    gc.collect()
+    with vllm_engine(ckpt, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
+                     skip_tokenizer_init=True, seed=0, speculative_config=sc, disable_log_stats=False) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                           detokenize=False), use_tqdm=False)
+        spec = spec_decode_from_llm(llm.get_metrics())
     return prompts, outs, spec
 
 

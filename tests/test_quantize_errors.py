@@ -54,26 +54,12 @@ def _edit(src: Path, dst: Path, name: str, edit) -> Path:
     return dst
 
 
-def _set_bf16(index_values):
+def _set(index_values, dtype=torch.uint8):
+    """An edit of a tensor's raw bytes: element ``i`` (of the bytes read as ``dtype``) set to ``x``."""
     def edit(raw):
-        v = raw.view(torch.bfloat16)
+        v = raw.view(dtype)
         for i, x in index_values:
             v[i] = x
-    return edit
-
-
-def _set_f32(index_values):
-    def edit(raw):
-        v = raw.view(torch.float32)
-        for i, x in index_values:
-            v[i] = x
-    return edit
-
-
-def _set_bytes(index_values):
-    def edit(raw):
-        for i, x in index_values:
-            raw[i] = x
     return edit
 
 
@@ -87,15 +73,15 @@ def _cli(capsys, *argv) -> tuple[int, list[str]]:
 NAN, INF = float("nan"), float("inf")
 # (source, tensor, edit of its stored bytes, what the message says was found)
 NONFINITE = [
-    ("bf16", "layers.1.ffn.experts.2.w3.weight", _set_bf16([(0, NAN), (7, NAN), (9, INF)]),
+    ("bf16", "layers.1.ffn.experts.2.w3.weight", _set([(0, NAN), (7, NAN), (9, INF)], torch.bfloat16),
      "2 NaN, 1 +Inf of 8192 values"),  # a routed expert: found from its E8M0 NaN/Inf scales, then counted
-    ("bf16", "layers.0.attn.wq_a.weight", _set_bf16([(5, -INF)]), "1 -Inf of 8192 values"),  # copied as is
-    ("bf16", "hc_head_fn", _set_f32([(3, NAN)]), "1 NaN of 2048 values"),  # an F32 tensor
-    ("bf16", "mtp.0.e_proj.weight", _set_bf16([(1, INF)]), "1 +Inf of 16384 values"),  # the MTP draft
-    ("official", "layers.2.ffn.experts.1.w2.scale", _set_bytes([(0, 255)]), "1 NaN of 256 values"),  # E8M0 NaN
-    ("official", "layers.0.attn.wq_a.weight", _set_bytes([(2, 0x7F), (3, 0xFF)]), "2 NaN of 8192 values"),  # FP8
-    ("official", "layers.0.attn.wq_a.scale", _set_bytes([(0, 255)]), "1 NaN of 1 values"),  # a kept FP8's scale
-    ("official", "mtp.0.e_proj.weight", _set_bytes([(0, 0x7F)]), "1 NaN of 16384 values"),  # decoded to BF16
+    ("bf16", "layers.0.attn.wq_a.weight", _set([(5, -INF)], torch.bfloat16), "1 -Inf of 8192 values"),  # copied as is
+    ("bf16", "hc_head_fn", _set([(3, NAN)], torch.float32), "1 NaN of 2048 values"),  # an F32 tensor
+    ("bf16", "mtp.0.e_proj.weight", _set([(1, INF)], torch.bfloat16), "1 +Inf of 16384 values"),  # the MTP draft
+    ("official", "layers.2.ffn.experts.1.w2.scale", _set([(0, 255)]), "1 NaN of 256 values"),  # E8M0 NaN
+    ("official", "layers.0.attn.wq_a.weight", _set([(2, 0x7F), (3, 0xFF)]), "2 NaN of 8192 values"),  # FP8
+    ("official", "layers.0.attn.wq_a.scale", _set([(0, 255)]), "1 NaN of 1 values"),  # a kept FP8's scale
+    ("official", "mtp.0.e_proj.weight", _set([(0, 0x7F)]), "1 NaN of 16384 values"),  # decoded to BF16
 ]
 
 

@@ -77,7 +77,7 @@ def test_each_platform_registers_its_plan():
 
 UNSUPPORTED_SCRIPT = r"""
 import json
-import vllm_dsv4_mtp.serve.versions as versions
+import vllm_dsv4_mtp.versions as versions
 versions.SUPPORTED_VLLM = ">=0.40,<0.41"  # pretend the installed vLLM (0.32) is outside the plugin's range
 from vllm.config.logging import LoggingConfig
 from vllm.logger import configure_logging

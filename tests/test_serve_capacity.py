@@ -355,7 +355,7 @@ def test_official_expert_storage_follows_the_spec_default():
     """The published configs have no expert_dtype: the routed experts are FP4, as vLLM assumes; an explicit
     expert_dtype still decides."""
     from vllm_dsv4_mtp.config import DeepseekV4Spec
-    from vllm_dsv4_mtp.serve.weights import storage_from_spec
+    from vllm_dsv4_mtp.serve.weight_bytes import storage_from_spec
 
     assert all("expert_dtype" not in c for c in (PRO_CONFIG, FLASH_CONFIG))
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}

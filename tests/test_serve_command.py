@@ -184,7 +184,7 @@ def test_list_profiles(capsys):
 
 
 def test_unsupported_vllm_is_refused_before_starting(monkeypatch, capsys, tmp_path):
-    from vllm_dsv4_mtp.serve import versions
+    from vllm_dsv4_mtp import versions
 
     monkeypatch.setattr(versions, "installed_vllm", lambda: ("vllm", "0.31.2"))
     monkeypatch.setattr(cli.os, "execve", lambda *a: pytest.fail("must not start an unsupported vLLM"))

@@ -15,7 +15,7 @@ them at start-up instead (an environment variable, read in every vLLM process: v
    export written without its MTP layer is "no MTP weights", not a precision problem;
 4. what ``config.json`` declares about the MTP layer's precision, against the policy.
 
-No torch import at module level beyond what the policy needs: this is imported by the plugin's draft classes.
+Imported by both draft classes (portable and gfx950): it holds no model code, only these checks.
 """
 
 from __future__ import annotations
@@ -113,17 +113,18 @@ def mtp_tensor_names(model: str) -> list[str] | None:
 
 @dataclass(frozen=True)
 class DraftPlan:
-    """What the draft's constructor established: the spec, the checkpoint, the dtype and the policy option."""
+    """What the draft's constructor established: the spec, the checkpoint, the dtype and what to do with quantized
+    MTP tensors (``quantized_mtp``: ``dequantize`` or ``refuse``, from ``VLLM_DSV4_MTP_QUANTIZED_MTP``)."""
 
     spec: DeepseekV4Spec
     source: str
     dtype: torch.dtype
-    option: str
+    quantized_mtp: str
     declared: Mapping[str, str]
 
     def admit(self, name: str, t: torch.Tensor) -> None:
         """The loader's hook for every quantized MTP weight / scale: refused under ``refuse``."""
-        if self.option == REFUSE:
+        if self.quantized_mtp == REFUSE:
             label = f"quantized (a block scale, {t.dtype})" if not name.endswith(".weight") else (
                 "FP8 (float8_e4m3fn)" if t.dtype == torch.float8_e4m3fn else f"packed FP4 ({t.dtype})")
             raise refusal(f"tensor {name}", f"stored {label}", self.source)

@@ -4,7 +4,7 @@
   BF16 (``vllm_dsv4_mtp.gfx950.draft``); vLLM's own ``DeepseekV4ForCausalLM`` stays the target.
 * elsewhere (``platform.PORTABLE``): the portable target and draft (``vllm_dsv4_mtp.model``) and the
   ``dsv4_mtp_portable`` quantization config that lets them read Quark / FP8 checkpoints.
-* a vLLM outside :data:`vllm_dsv4_mtp.serve.versions.SUPPORTED_VLLM`: both architecture names map to a class
+* a vLLM outside :data:`vllm_dsv4_mtp.versions.SUPPORTED_VLLM`: both architecture names map to a class
   whose constructor raises the version error, so serving DeepSeek-V4 stops with that one message (and any
   other model is unaffected); vLLM's plugin loader would swallow an exception raised here.
 
@@ -54,7 +54,7 @@ def register_models() -> bool:
     from vllm import ModelRegistry
     from vllm.logger import init_logger
 
-    from vllm_dsv4_mtp.serve.versions import UnsupportedVllmError, check_vllm_version
+    from vllm_dsv4_mtp.versions import UnsupportedVllmError, check_vllm_version
 
     log = init_logger("vllm.dsv4_mtp")  # a "vllm." name so the line goes through vLLM's log handler
     try:

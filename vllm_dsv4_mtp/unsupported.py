@@ -14,7 +14,7 @@ class UnsupportedVllm(nn.Module):
 
     def __init__(self, *, vllm_config=None, prefix: str = ""):
         super().__init__()
-        from vllm_dsv4_mtp.serve.versions import check_vllm_version
+        from vllm_dsv4_mtp.versions import check_vllm_version
 
         check_vllm_version()  # raises UnsupportedVllmError naming the installed and the supported versions
         raise RuntimeError("vllm-dsv4-mtp: UnsupportedVllm built on a supported vLLM (a stale registration)")

@@ -1,6 +1,6 @@
 """The vLLM versions this plugin supports: one declaration, checked at run time and when the Docker image is built.
 
-``python -m vllm_dsv4_mtp.serve.versions`` verifies an installation (the Docker build runs it): the vLLM
+``python -m vllm_dsv4_mtp.versions`` verifies an installation (the Docker build runs it): the vLLM
 found is inside :data:`SUPPORTED_VLLM`, the plugin's ``vllm.general_plugins`` entry point is visible (what
 ``scripts/setup_env.sh`` verifies after ``make setup``), and every runtime requirement of the plugin's
 distribution is satisfied without having installed anything (the image installs the plugin ``--no-deps``).
@@ -63,7 +63,7 @@ def check_vllm_version(version: str | None = None) -> str:
     if not is_supported(version):
         raise UnsupportedVllmError(
             f"{dist} {version} is installed, but vllm-dsv4-mtp supports vLLM {SUPPORTED_VLLM} "
-            f"(declared in vllm_dsv4_mtp/serve/versions.py)")
+            f"(declared in vllm_dsv4_mtp/versions.py)")
     return version
 
 

@@ -1,9 +1,10 @@
 """The embedded default: a tiny DeepSeek-V4 trained on synthetic grade-school arithmetic, with a trained MTP head.
 
 - ``data``: the seeded word-problem generator (GSM8K format) and the BPE tokenizer trained on it.
-- ``train``: trains the target with HF transformers' ``DeepseekV4ForCausalLM`` and the MTP layer with
-  :mod:`vllm_dsv4_mtp.reference.mtp`, on CPU.
-- ``export``: writes the native-name (DeepSeek release layout) BF16 checkpoint with its ``mtp.0.*`` weights.
+- ``training/`` (repository only, not in the wheel): ``recipe`` (config and initialisation), ``train`` (the
+  target with HF transformers' ``DeepseekV4ForCausalLM`` and the MTP layer with
+  :mod:`vllm_dsv4_mtp.reference.mtp`, on CPU), ``export`` (the native-name BF16 checkpoint with its ``mtp.0.*``
+  weights), ``accuracy``.
 - ``assets/``: the shipped held-out set, few-shot examples, tokenizer and checkpoints.
 """
 

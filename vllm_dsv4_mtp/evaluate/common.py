@@ -63,7 +63,7 @@ def machine() -> dict:
     try:
         import importlib.metadata as md
 
-        from vllm_dsv4_mtp.serve.versions import installed_vllm
+        from vllm_dsv4_mtp.versions import installed_vllm
 
         name, version = installed_vllm()
         info["vllm"] = f"{name} {version}"

@@ -36,7 +36,7 @@ class DeepSeekV4MTPModel(DeepSeekV4MTP):
         self.fused_shared_expert = ffn.is_fused_shared_expert_enabled
         logger.info("vllm-dsv4-mtp: DeepSeek-V4 MTP draft = vLLM's in-tree AMD MTP layers in BF16 (%s, fused "
                     "shared expert: %s; quantized MTP weights: %s)", plan.dtype, self.fused_shared_expert,
-                    plan.option)
+                    plan.quantized_mtp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         spec = self.plan.spec

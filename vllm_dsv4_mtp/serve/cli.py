@@ -164,7 +164,7 @@ def _capacity_refusal(cmd, o: _Options) -> str | None:
 def run(argv: list[str]) -> int:
     from vllm_dsv4_mtp.serve.command import ServeArgsError, build_command, server_module
     from vllm_dsv4_mtp.serve.profiles import PROFILES, default_model, get_profile
-    from vllm_dsv4_mtp.serve.versions import UnsupportedVllmError, check_vllm_version
+    from vllm_dsv4_mtp.versions import UnsupportedVllmError, check_vllm_version
 
     try:
         o = parse_serve_argv(argv)

@@ -5,7 +5,7 @@ vLLM sizes its KV cache as ``gpu-memory-utilization x total - weights - (activat
 at --max-num-batched-tokens + memory that is not torch's: collectives, AITER workspaces)`` and then captures
 graphs. Everything besides weights and KV is the reserve. It is not computed from first principles: a
 measured run gives ``reserve = budget - weights - KV budget``, where ``weights`` is this check's own count for
-that run (:mod:`vllm_dsv4_mtp.serve.weights`: the checkpoint at its stored precision, the engine's own draft
+that run (:mod:`vllm_dsv4_mtp.serve.weight_bytes`: the checkpoint at its stored precision, the engine's own draft
 at its stored precision), so that the check reproduces the measurement exactly.
 
 Topologies (:func:`topology`): ``tp`` (data-parallel-size 1: attention split over TP) and ``dp``
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from vllm_dsv4_mtp import platform
 from vllm_dsv4_mtp.serve.kv import kv_bytes_per_token
 from vllm_dsv4_mtp.serve.profiles import KNOWN_CHECKPOINTS, Hardware, Measurement
-from vllm_dsv4_mtp.serve.weights import VLLM_DRAFT, Parallelism, Runs, known_weight_table
+from vllm_dsv4_mtp.serve.weight_bytes import VLLM_DRAFT, Parallelism, Runs, known_weight_table
 
 GB = 1e9
 TP = "tp"

@@ -54,6 +54,20 @@ def test_bench_refuses_a_non_loopback_server(tmp_path):
     assert "request loops to 127.0.0.1 / localhost only (host '10.1.2.3' is not a loopback address)" in r.stderr
 
 
+def test_bench_serve_without_the_embedded_checkpoint_says_pass_model(monkeypatch, tmp_path, capsys):
+    """No stand-in model when the shipped MXFP4 checkpoint is absent (an installed wheel): one error, no server."""
+    from vllm_dsv4_mtp import embedded
+    from vllm_dsv4_mtp.cli import main
+
+    missing = tmp_path / "tiny-dsv4-mxfp4"
+    monkeypatch.setattr(embedded, "MXFP4_CHECKPOINT_DIR", missing)
+    assert main(["bench", "--serve", "--out", str(tmp_path / "out")]) == 2
+    out, err = capsys.readouterr()
+    assert err == (f"dsv4-mtp bench: error: no checkpoint at {missing} (the embedded checkpoints ship with the "
+                   "repository, not the wheel): pass --model DIR\n")
+    assert out == "" and not (tmp_path / "out").exists()
+
+
 K = 2
 
 

@@ -422,7 +422,9 @@ def run_stepcost(model: str, k: int, max_tokens: int, num_fewshot: int, out: Pat
 
 def run(args: argparse.Namespace) -> int:
     from .client import NotLoopbackError, require_loopback
-    from .common import embedded_models, fewshot_examples, load_problems, prompt_for
+    from vllm_dsv4_mtp.embedded import MXFP4_CHECKPOINT_DIR
+
+    from .common import MissingCheckpointError, fewshot_examples, load_problems, prompt_for, require_checkpoint
     from .server import ManagedServer, ServerSpec, served_model_name, spec_label
 
     argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "bench" else []
@@ -436,14 +438,7 @@ def run(args: argparse.Namespace) -> int:
     runs: list[BenchRun] = []
     try:
         if args.serve:
-            model = args.model
-            if model is None:
-                models = embedded_models()
-                if not models:
-                    print("dsv4-mtp bench: error: no embedded checkpoint under vllm_dsv4_mtp/embedded/assets; "
-                          "pass --model DIR", file=sys.stderr)
-                    return 2
-                model = str(models.get("MXFP4") or models["BF16"])
+            model = args.model or str(require_checkpoint(MXFP4_CHECKPOINT_DIR, "--model DIR"))
             ks = [None, args.mtp_k]
             for k in ks:
                 spec = ServerSpec(model=model, mtp_k=k, profile=args.profile,
@@ -462,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
                 k = server_spec_tokens(url)
                 runs.append(sweep(url, model, prompts, levels, max_tokens=args.max_tokens,
                                   num_requests=args.num_requests, label=spec_label(k), mtp_k=k))
-    except NotLoopbackError as e:
+    except (NotLoopbackError, MissingCheckpointError) as e:
         print(f"dsv4-mtp bench: error: {e}", file=sys.stderr)
         return 2
     report = build_report(runs, argv=argv, model=model, max_tokens=args.max_tokens, num_fewshot=args.num_fewshot)

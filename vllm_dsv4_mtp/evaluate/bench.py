@@ -244,7 +244,7 @@ def markdown(report: dict) -> str:
 
 
 def step_breakdown_markdown(bd: dict) -> str:
-    """The table of :mod:`.stepcost`'s measurement: one engine step at concurrency 1, MTP off against MTP K."""
+    """The table of :mod:`vllm_dsv4_mtp.benchmarks.stepcost`'s measurement: one engine step at concurrency 1, MTP off against MTP K."""
     off, on = bd["off"], bd["on"]
     k = on["mtp_k"]
 
@@ -399,18 +399,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="directory for bench.json/.md/.png")
     p.add_argument("--step-costs", action="store_true",
                    help="with --serve: afterwards, time one engine step's parts at concurrency 1, MTP off vs K\n"
-                        "(python -m vllm_dsv4_mtp.evaluate.stepcost; an in-process LLM with forward hooks)")
+                        "(python -m vllm_dsv4_mtp.benchmarks.stepcost; an in-process LLM with forward hooks)")
     p.set_defaults(func=run)
     return p
 
 
 def run_stepcost(model: str, k: int, max_tokens: int, num_fewshot: int, out: Path) -> dict:
-    """:mod:`.stepcost` in its own process (it runs vLLM engines, one at a time, after the servers are gone)."""
+    """:mod:`vllm_dsv4_mtp.benchmarks.stepcost` in its own process (it runs vLLM engines, one at a time, after the servers are gone)."""
     import subprocess
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / "stepcost.json"
-    argv = [sys.executable, "-m", "vllm_dsv4_mtp.evaluate.stepcost", "--model", model, "--mtp-k", str(k),
+    argv = [sys.executable, "-m", "vllm_dsv4_mtp.benchmarks.stepcost", "--model", model, "--mtp-k", str(k),
             "--max-tokens", str(max_tokens), "--num-fewshot", str(num_fewshot), "--json", str(path)]
     print("# " + shlex.join(argv), file=sys.stderr, flush=True)
     with open(out / "stepcost.log", "w") as log:

@@ -176,8 +176,8 @@ def test_forward_hooks_time_every_call_with_its_tokens_and_profile_range():
 
     model = Model()
     blocks = list(fh.decoder_blocks(model))
-    assert [(name, kind) for name, kind, _ in blocks] == [
-        ("layers.0.attn", "attention"), ("layers.0.ffn", "moe"), ("layers.1.attn", "attention"), ("layers.1.ffn", "moe")]
+    assert [(name, kind) for name, kind, _ in blocks] == [("layers.0.attn", "attention"), ("layers.0.ffn", "moe"),
+                                                          ("layers.1.attn", "attention"), ("layers.1.ffn", "moe")]
     fh.time_forward(model, "forward")
     for _, kind, mod in blocks:
         fh.time_forward(mod, kind)

@@ -307,3 +307,22 @@ def test_ab_without_the_embedded_checkpoints_says_what_to_pass(monkeypatch, tmp_
     assert err == (f"dsv4-mtp eval --ab: error: no checkpoint at {missing} (the embedded checkpoints ship with the "
                    "repository, not the wheel): pass --server URL or --checkpoint NAME=DIR\n")
     assert out == "" and not (tmp_path / "out").exists()
+
+
+def test_wait_healthy_fails_fast_with_the_exit_status_of_a_crashed_server():
+    """The one /health poll that ManagedServer, eval --wait and the launcher test share: a server process that
+    died while loading is reported at once with its status, not after the whole timeout."""
+    import time
+
+    from vllm_dsv4_mtp.evaluate.server import ServerExitedError, ServerNotReadyError, free_port, wait_healthy
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    t0 = time.monotonic()
+    with pytest.raises(ServerExitedError, match=rf"^the server for http://127.0.0.1:{port}/health exited with status 3 "
+                                                r"before becoming healthy$") as e:
+        wait_healthy(f"http://127.0.0.1:{port}/v1", 300, poll_s=0.2, exit_status=proc.poll)
+    assert e.value.status == 3 and time.monotonic() - t0 < 60
+    # without a process to watch, the time allowed runs out and says so
+    with pytest.raises(ServerNotReadyError, match=rf"^cannot reach http://127.0.0.1:{port}/health after waiting 1 s: "):
+        wait_healthy(f"http://127.0.0.1:{port}", 1, poll_s=0.2)

@@ -54,6 +54,20 @@ def test_bench_refuses_a_non_loopback_server(tmp_path):
     assert "request loops to 127.0.0.1 / localhost only (host '10.1.2.3' is not a loopback address)" in r.stderr
 
 
+def test_bench_serve_without_the_embedded_checkpoint_says_pass_model(monkeypatch, tmp_path, capsys):
+    """No stand-in model when the shipped MXFP4 checkpoint is absent (an installed wheel): one error, no server."""
+    from vllm_dsv4_mtp import embedded
+    from vllm_dsv4_mtp.cli import main
+
+    missing = tmp_path / "tiny-dsv4-mxfp4"
+    monkeypatch.setattr(embedded, "MXFP4_CHECKPOINT_DIR", missing)
+    assert main(["bench", "--serve", "--out", str(tmp_path / "out")]) == 2
+    out, err = capsys.readouterr()
+    assert err == (f"dsv4-mtp bench: error: no checkpoint at {missing} (the embedded checkpoints ship with the "
+                   "repository, not the wheel): pass --model DIR\n")
+    assert out == "" and not (tmp_path / "out").exists()
+
+
 K = 2
 
 
@@ -96,7 +110,7 @@ def test_bench_sweep_against_server(server, tmp_path):
 
 
 def test_stepcost_splits_each_decode_step_into_its_parts():
-    from vllm_dsv4_mtp.evaluate.stepcost import explain, summarize
+    from vllm_dsv4_mtp.benchmarks.stepcost import explain, summarize
 
     # one request, MTP K=2: prefill at t=0, then two decode steps of 30 ms each (target 3 tokens, 2 draft calls)
     recs = [("target", 40, 0.000, 0.010), ("draft", 40, 0.011, 0.013),
@@ -119,7 +133,7 @@ def test_stepcost_splits_each_decode_step_into_its_parts():
 
 
 def test_stepcost_drops_the_slowest_steps_whole():
-    from vllm_dsv4_mtp.evaluate.stepcost import summarize
+    from vllm_dsv4_mtp.benchmarks.stepcost import summarize
 
     recs, t = [("target", 30, 0.0, 0.005)], 0.01
     for i in range(10):  # ten 10 ms decode steps (8 ms target), the 6th interrupted for 100 ms
@@ -132,3 +146,53 @@ def test_stepcost_drops_the_slowest_steps_whole():
     assert s["step_ms"] == pytest.approx(10.0, abs=1e-3) and s["step_mean_all_ms"] == pytest.approx(19.0, abs=1e-3)
     assert s["parts_ms"]["target"] == pytest.approx(8.0, abs=1e-3)
     assert s["tokens_per_step"] == pytest.approx(1.0)
+
+
+def test_forward_hooks_time_every_call_with_its_tokens_and_profile_range():
+    """The hooks both step benchmarks install in vLLM's worker, on a plain torch model: each forward recorded once,
+    innermost inside outermost, with its token count, and (while profiling) as a ``bench::`` profiler range."""
+    import torch
+
+    from vllm_dsv4_mtp.benchmarks import forward_hooks as fh
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.ffn = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.ffn(self.attn(x))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Block(), Block()])
+            self.attn = torch.nn.Linear(4, 4)  # not a decoder block's: outside `layers`
+
+        def forward(self, positions, hidden_states):
+            for layer in self.layers:
+                hidden_states = layer(hidden_states)
+            return hidden_states
+
+    model = Model()
+    blocks = list(fh.decoder_blocks(model))
+    assert [(name, kind) for name, kind, _ in blocks] == [("layers.0.attn", "attention"), ("layers.0.ffn", "moe"),
+                                                          ("layers.1.attn", "attention"), ("layers.1.ffn", "moe")]
+    fh.time_forward(model, "forward")
+    for _, kind, mod in blocks:
+        fh.time_forward(mod, kind)
+    fh.take_records(None)
+    model(torch.arange(5), hidden_states=torch.zeros(5, 4))
+    recs = fh.take_records(None)
+    assert [(part, n) for part, n, _, _ in recs] == [("attention", 5), ("moe", 5), ("attention", 5), ("moe", 5),
+                                                     ("forward", 5)]
+    (_, _, f0, f1) = recs[-1]
+    assert all(f0 <= t0 <= t1 <= f1 for _, _, t0, t1 in recs[:-1])
+    assert fh.take_records(None) == []
+
+    fh.start_profile(None)
+    model(torch.arange(3), torch.zeros(3, 4))
+    prof = fh.finish_profile()
+    names = [e.name for e in prof.events() if e.name.startswith("bench::")]
+    assert sorted(names) == sorted(["bench::forward:3"] + ["bench::attention:3", "bench::moe:3"] * 2)
+    assert fh.take_records(None) == []  # the profiled pass's records are dropped with the session

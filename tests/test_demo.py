@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from vllm_dsv4_mtp import embedded
+from vllm_dsv4_mtp.cli import main
+from vllm_dsv4_mtp.embedded import MXFP4_CHECKPOINT_DIR
 from vllm_dsv4_mtp.evaluate import common
 from vllm_dsv4_mtp.evaluate.client import complete
 from vllm_dsv4_mtp.evaluate.demo import ask_all, summarize
@@ -112,6 +115,17 @@ def assert_consistent_with_e2e(decode_tok_s: float, tokens: int, n: int, e2e_tok
     assert decode_tok_s <= 3.0 * e2e_tok_s, (decode_tok_s, e2e_tok_s)
 
 
+def test_demo_without_the_embedded_checkpoint_says_pass_model(monkeypatch, tmp_path, capsys):
+    """An installed wheel carries no assets: the demo names the missing directory and the flag, serves nothing."""
+    missing = tmp_path / "tiny-dsv4-mxfp4"
+    monkeypatch.setattr(embedded, "MXFP4_CHECKPOINT_DIR", missing)
+    assert main(["demo", "--log-dir", str(tmp_path / "logs")]) == 2
+    out, err = capsys.readouterr()
+    assert err == (f"dsv4-mtp demo: error: no checkpoint at {missing} (the embedded checkpoints ship with the "
+                   "repository, not the wheel): pass --model DIR\n")
+    assert out == "" and not (tmp_path / "logs").exists()
+
+
 # --------------------------------------------------------------------------------------- the real demo
 @pytest.mark.engine
 def test_demo_end_to_end(tmp_path):
@@ -120,8 +134,9 @@ def test_demo_end_to_end(tmp_path):
                        capture_output=True, text=True, timeout=1500)
     out = r.stdout
     assert r.returncode == 0, out[-4000:] + r.stderr[-4000:]
-    assert "MXFP4" in common.embedded_models()  # the shipped checkpoint, never a stand-in
+    # the shipped checkpoint, never a stand-in
     assert "the embedded tiny DeepSeek-V4, MXFP4 experts" in out
+    assert f"  checkpoint: {MXFP4_CHECKPOINT_DIR}\n" in out
     problems = common.load_problems(limit=n)
     # every problem asked, answered, and judged by its #### value against the reference
     verdicts = re.findall(r"^    -> (.+?): (RIGHT|WRONG) \(expected (\S+)\) \| acceptance length (\S+) \| (\d+) tokens",

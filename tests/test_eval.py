@@ -292,3 +292,37 @@ def test_ab_refuses_an_unknown_baseline(tmp_path):
     r = subprocess.run([DSV4_MTP, "eval", "--ab", "--task", "local", "--server", "a=http://127.0.0.1:9",
                         "--baseline", "b", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "--baseline 'b' is none of the runs ['a']" in r.stderr, r.stderr
+
+
+def test_ab_without_the_embedded_checkpoints_says_what_to_pass(monkeypatch, tmp_path, capsys):
+    """--ab with neither --server nor --checkpoint serves the shipped BF16 and MXFP4 checkpoints; when one is absent
+    (an installed wheel) it names it and the flags, and starts nothing."""
+    from vllm_dsv4_mtp import embedded
+    from vllm_dsv4_mtp.cli import main
+
+    missing = tmp_path / "tiny-dsv4-mxfp4"
+    monkeypatch.setattr(embedded, "MXFP4_CHECKPOINT_DIR", missing)
+    assert main(["eval", "--ab", "--task", "local", "--out", str(tmp_path / "out")]) == 2
+    out, err = capsys.readouterr()
+    assert err == (f"dsv4-mtp eval --ab: error: no checkpoint at {missing} (the embedded checkpoints ship with the "
+                   "repository, not the wheel): pass --server URL or --checkpoint NAME=DIR\n")
+    assert out == "" and not (tmp_path / "out").exists()
+
+
+def test_wait_healthy_fails_fast_with_the_exit_status_of_a_crashed_server():
+    """The one /health poll that ManagedServer, eval --wait and the launcher test share: a server process that
+    died while loading is reported at once with its status, not after the whole timeout."""
+    import time
+
+    from vllm_dsv4_mtp.evaluate.server import ServerExitedError, ServerNotReadyError, free_port, wait_healthy
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    t0 = time.monotonic()
+    with pytest.raises(ServerExitedError, match=rf"^the server for http://127.0.0.1:{port}/health exited with status 3 "
+                                                r"before becoming healthy$") as e:
+        wait_healthy(f"http://127.0.0.1:{port}/v1", 300, poll_s=0.2, exit_status=proc.poll)
+    assert e.value.status == 3 and time.monotonic() - t0 < 60
+    # without a process to watch, the time allowed runs out and says so
+    with pytest.raises(ServerNotReadyError, match=rf"^cannot reach http://127.0.0.1:{port}/health after waiting 1 s: "):
+        wait_healthy(f"http://127.0.0.1:{port}", 1, poll_s=0.2)

@@ -14,13 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from servers import get, post_json
 
-from vllm_dsv4_mtp.evaluate.server import free_port
+from vllm_dsv4_mtp.evaluate.server import ServerExitedError, ServerNotReadyError, free_port, wait_healthy
 from vllm_dsv4_mtp.serve.metrics import spec_decode_metrics
 
 pytestmark = pytest.mark.engine
@@ -37,17 +36,13 @@ def _start(model: str, port: int, log: Path) -> subprocess.Popen:
 
 
 def _wait_healthy(proc: subprocess.Popen, port: int, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode} before becoming healthy:\n{log.read_text()[-6000:]}")
-        try:
-            if get(f"http://127.0.0.1:{port}/health", timeout=2) is not None:
-                return
-        except OSError:
-            time.sleep(2)
-    proc.kill()
-    pytest.fail(f"server not healthy after {START_TIMEOUT_S} s:\n{log.read_text()[-6000:]}")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", START_TIMEOUT_S, exit_status=proc.poll, progress=False)
+    except ServerExitedError as e:
+        pytest.fail(f"server exited with {e.status} before becoming healthy:\n{log.read_text()[-6000:]}")
+    except ServerNotReadyError:
+        proc.kill()
+        pytest.fail(f"server not healthy after {START_TIMEOUT_S} s:\n{log.read_text()[-6000:]}")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

@@ -4,8 +4,8 @@
         [--mtp-k 2] [--json OUT]
 
 The engine runs as in ``decode_step`` (``ENGINE_FLAGS``, engine core and worker in their own processes, so
-vLLM's CPU thread binding applies); PyTorch forward hooks, installed in the worker through vLLM's public
-``LLM.collective_rpc`` (this module's functions travel by reference, hence
+vLLM's CPU thread binding applies); PyTorch forward hooks (:mod:`.forward_hooks`), installed in the worker
+through vLLM's public ``LLM.collective_rpc`` (functions travel by reference, hence
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), time the model's forward and every decoder block's attention
 (``*.attn`` / ``*.self_attn``) and MoE / MLP (``*.ffn`` / ``*.mlp``). A decode step runs from one decode
 forward's start to the next's (forwards over exactly ``batch`` tokens after the prefill); ``rest of forward``
@@ -26,82 +26,33 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
-_RECORDS: list[tuple[str, int, float, float]] = []  # (part, tokens, start, end), in the worker
-_PROFILING: dict = {"on": False, "prof": None}
-
-
-def _hook(module, part: str) -> None:
-    import torch
-
-    stack = []
-
-    def pre(mod, args, kwargs):
-        x = next((a for a in list(args) + list(kwargs.values()) if hasattr(a, "shape")), None)
-        n = -1 if x is None else int(x.shape[0])
-        rf = torch.profiler.record_function(f"bench::{part}:{n}") if _PROFILING["on"] else None
-        if rf is not None:
-            rf.__enter__()
-        stack.append((time.perf_counter(), n, rf))
-
-    def post(mod, args, kwargs, out):
-        t0, n, rf = stack.pop()
-        if rf is not None:
-            rf.__exit__(None, None, None)
-        _RECORDS.append((part, n, t0, time.perf_counter()))
-
-    module.register_forward_pre_hook(pre, with_kwargs=True)
-    module.register_forward_hook(post, with_kwargs=True)
+from vllm_dsv4_mtp.benchmarks.forward_hooks import decoder_blocks, finish_profile, time_forward
 
 
 def install(worker) -> list[str]:
     """In the worker: hooks on the target's forward and its blocks' attention and MoE / MLP modules, and on the
     speculative draft's forward when there is one."""
     model = worker.model_runner.model
-    _hook(model, "forward")
+    time_forward(model, "forward")
     found = []
-    for name, mod in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if ".layers." not in f".{name}":
-            continue
-        if leaf in ("attn", "self_attn"):
-            _hook(mod, "attention")
-            found.append(name)
-        elif leaf in ("ffn", "mlp"):
-            _hook(mod, "moe")
-            found.append(name)
+    for name, kind, mod in decoder_blocks(model):
+        time_forward(mod, kind)
+        found.append(name)
     draft = getattr(getattr(worker.model_runner, "drafter", None), "model", None)
     if draft is not None:
-        _hook(draft, "draft")
+        time_forward(draft, "draft")
         found.append("drafter.model")
         for name, mod in draft.named_modules():
             if name.rsplit(".", 1)[-1] == "attn":
-                _hook(mod, "draft_attention")
+                time_forward(mod, "draft_attention")
                 found.append(f"drafter.model.{name}")
     return found
 
 
-def take_records(worker) -> list[tuple[str, int, float, float]]:
-    out = list(_RECORDS)
-    _RECORDS.clear()
-    return out
-
-
-def start_profile(worker) -> None:
-    import torch
-
-    _PROFILING["on"] = True
-    _PROFILING["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-    _PROFILING["prof"].__enter__()
-
-
 def stop_profile(worker, batch: int) -> dict:
-    prof = _PROFILING["prof"]
-    prof.__exit__(None, None, None)
-    _PROFILING["on"] = False
-    _RECORDS.clear()
-    return _op_counts(prof, batch)
+    """In the worker: end :func:`~.forward_hooks.start_profile`'s session; aten ops per decode step by part."""
+    return _op_counts(finish_profile(), batch)
 
 
 PARTS = ("step", "forward", "attention", "moe", "draft", "draft_attention")
@@ -156,7 +107,8 @@ def measure(name: str, ckpt: str, batches: list[int], n_steps: int, mtp_k: int =
 
     # by reference (module name), so the worker's hooks and this process's calls share the worker's globals
     from vllm_dsv4_mtp.benchmarks.decode_step import ENGINE_FLAGS, random_prompts
-    from vllm_dsv4_mtp.benchmarks.step_parts import install, start_profile, stop_profile, take_records
+    from vllm_dsv4_mtp.benchmarks.forward_hooks import start_profile, take_records
+    from vllm_dsv4_mtp.benchmarks.step_parts import install, stop_profile
 
     with open(f"{ckpt}/config.json") as f:
         vocab = json.load(f)["vocab_size"]

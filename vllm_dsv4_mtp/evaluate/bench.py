@@ -244,7 +244,7 @@ def markdown(report: dict) -> str:
 
 
 def step_breakdown_markdown(bd: dict) -> str:
-    """The table of :mod:`.stepcost`'s measurement: one engine step at concurrency 1, MTP off against MTP K."""
+    """The table of :mod:`vllm_dsv4_mtp.benchmarks.stepcost`'s measurement: one engine step at concurrency 1, MTP off against MTP K."""
     off, on = bd["off"], bd["on"]
     k = on["mtp_k"]
 
@@ -399,18 +399,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="directory for bench.json/.md/.png")
     p.add_argument("--step-costs", action="store_true",
                    help="with --serve: afterwards, time one engine step's parts at concurrency 1, MTP off vs K\n"
-                        "(python -m vllm_dsv4_mtp.evaluate.stepcost; an in-process LLM with forward hooks)")
+                        "(python -m vllm_dsv4_mtp.benchmarks.stepcost; an in-process LLM with forward hooks)")
     p.set_defaults(func=run)
     return p
 
 
 def run_stepcost(model: str, k: int, max_tokens: int, num_fewshot: int, out: Path) -> dict:
-    """:mod:`.stepcost` in its own process (it runs vLLM engines, one at a time, after the servers are gone)."""
+    """:mod:`vllm_dsv4_mtp.benchmarks.stepcost` in its own process (it runs vLLM engines, one at a time, after the servers are gone)."""
     import subprocess
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / "stepcost.json"
-    argv = [sys.executable, "-m", "vllm_dsv4_mtp.evaluate.stepcost", "--model", model, "--mtp-k", str(k),
+    argv = [sys.executable, "-m", "vllm_dsv4_mtp.benchmarks.stepcost", "--model", model, "--mtp-k", str(k),
             "--max-tokens", str(max_tokens), "--num-fewshot", str(num_fewshot), "--json", str(path)]
     print("# " + shlex.join(argv), file=sys.stderr, flush=True)
     with open(out / "stepcost.log", "w") as log:
@@ -422,7 +422,9 @@ def run_stepcost(model: str, k: int, max_tokens: int, num_fewshot: int, out: Pat
 
 def run(args: argparse.Namespace) -> int:
     from .client import NotLoopbackError, require_loopback
-    from .common import embedded_models, fewshot_examples, load_problems, prompt_for
+    from vllm_dsv4_mtp.embedded import MXFP4_CHECKPOINT_DIR
+
+    from .common import MissingCheckpointError, fewshot_examples, load_problems, prompt_for, require_checkpoint
     from .server import ManagedServer, ServerSpec, served_model_name, spec_label
 
     argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "bench" else []
@@ -436,14 +438,7 @@ def run(args: argparse.Namespace) -> int:
     runs: list[BenchRun] = []
     try:
         if args.serve:
-            model = args.model
-            if model is None:
-                models = embedded_models()
-                if not models:
-                    print("dsv4-mtp bench: error: no embedded checkpoint under vllm_dsv4_mtp/embedded/assets; "
-                          "pass --model DIR", file=sys.stderr)
-                    return 2
-                model = str(models.get("MXFP4") or models["BF16"])
+            model = args.model or str(require_checkpoint(MXFP4_CHECKPOINT_DIR, "--model DIR"))
             ks = [None, args.mtp_k]
             for k in ks:
                 spec = ServerSpec(model=model, mtp_k=k, profile=args.profile,
@@ -462,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
                 k = server_spec_tokens(url)
                 runs.append(sweep(url, model, prompts, levels, max_tokens=args.max_tokens,
                                   num_requests=args.num_requests, label=spec_label(k), mtp_k=k))
-    except NotLoopbackError as e:
+    except (NotLoopbackError, MissingCheckpointError) as e:
         print(f"dsv4-mtp bench: error: {e}", file=sys.stderr)
         return 2
     report = build_report(runs, argv=argv, model=model, max_tokens=args.max_tokens, num_fewshot=args.num_fewshot)

@@ -1,4 +1,5 @@
-"""What eval, bench and demo share: the held-out problems, the default models, MTP availability, the machine.
+"""What eval, bench and demo share: the held-out problems and their judge, the shipped checkpoints as default
+models, and the machine a number was measured on.
 
 Answers are judged with :func:`vllm_dsv4_mtp.embedded.data.answer_number` (the ``#### N`` value, the same
 rule the training engineer's HF-only evaluation uses); lm-eval runs apply lm-eval's own gsm8k filters.
@@ -10,7 +11,7 @@ import os
 import platform
 from pathlib import Path
 
-from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR, FEWSHOT_JSONL, MXFP4_CHECKPOINT_DIR, TEST_JSONL
+from vllm_dsv4_mtp.embedded import FEWSHOT_JSONL, TEST_JSONL
 from vllm_dsv4_mtp.embedded import data as gsm
 
 
@@ -19,10 +20,17 @@ def has_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def embedded_models() -> dict[str, Path]:
-    """The shipped checkpoints that exist: ``{"BF16": dir, "MXFP4": dir}`` (either may be missing)."""
-    return {name: p for name, p in (("BF16", BF16_CHECKPOINT_DIR), ("MXFP4", MXFP4_CHECKPOINT_DIR))
-            if has_checkpoint(p)}
+class MissingCheckpointError(FileNotFoundError):
+    """A default (embedded) checkpoint directory is not there; the message says which flag to pass instead."""
+
+
+def require_checkpoint(path: Path, flag: str) -> Path:
+    """``path`` when it holds a checkpoint, else :class:`MissingCheckpointError`. The embedded checkpoints ship
+    in the repository, not in the wheel: an installed wheel without its assets has none."""
+    if not has_checkpoint(path):
+        raise MissingCheckpointError(f"no checkpoint at {path} (the embedded checkpoints ship with the repository, "
+                                     f"not the wheel): pass {flag}")
+    return Path(path)
 
 
 def load_problems(path: Path | None = None, limit: int | None = None) -> list[dict]:

@@ -10,10 +10,6 @@ without MTP and whether the answers are identical (greedy speculative decoding m
 Both runs are measured the same way: decode tokens/s = answer tokens after the first / the engine's
 first-to-last-token time (:mod:`.engine_clock`), end-to-end tokens/s = answer tokens / the client's
 request-to-last-chunk time, each a ratio of sums over the run.
-
-What it runs falls back, saying so, while parts of the project are missing: the BF16 embedded checkpoint
-when the MXFP4 one has not been built, a random tiny checkpoint when no embedded one exists, MTP off when the
-plugin does not register its draft yet.
 """
 
 from __future__ import annotations
@@ -72,27 +68,17 @@ def summarize(answers: list[Answer]) -> RunSummary:
                       acceptance_length=statistics.fmean(als) if als else None)
 
 
-def choose_model(model: str | None, notes: list[str]) -> tuple[str, str]:
-    """(checkpoint dir, description); appends to ``notes`` what is missing and who it waits on."""
+def choose_model(model: str | None) -> tuple[str, str]:
+    """(checkpoint dir, description): ``--model``, else the embedded MXFP4 checkpoint
+    (:class:`~.common.MissingCheckpointError` when it is not there)."""
     from vllm_dsv4_mtp.embedded import MXFP4_CHECKPOINT_DIR
 
-    from .common import embedded_models
+    from .common import require_checkpoint
 
     if model:
         return model, f"{model} (--model)"
-    models = embedded_models()
-    if "MXFP4" in models:
-        return str(models["MXFP4"]), "the embedded tiny DeepSeek-V4, MXFP4 experts (Quark OCP MX)"
-    if "BF16" in models:
-        notes.append(f"{MXFP4_CHECKPOINT_DIR} is not built yet (training engineer: `dsv4-mtp quantize` of the "
-                     "BF16 checkpoint): serving the embedded BF16 checkpoint instead")
-        return str(models["BF16"]), "the embedded tiny DeepSeek-V4, BF16 (MXFP4 not built yet)"
-    notes.append("no embedded trained checkpoint yet (training engineer, vllm_dsv4_mtp/embedded/assets): "
-                 "serving a RANDOM tiny MXFP4 checkpoint, so answers are noise")
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
-
-    out = Path(tempfile.mkdtemp(prefix="dsv4-demo-")) / "random-tiny-mxfp4"
-    return str(build_tiny_checkpoint(out, experts="mxfp4")), f"a random tiny MXFP4 checkpoint ({out})"
+    return (str(require_checkpoint(MXFP4_CHECKPOINT_DIR, "--model DIR")),
+            "the embedded tiny DeepSeek-V4, MXFP4 experts (Quark OCP MX)")
 
 
 def ask_all(base_url: str, model: str, problems: list[dict], prompts: list[str], max_tokens: int) -> list[Answer]:
@@ -140,12 +126,15 @@ def _fmt(x: float | None, fmt: str = "{:.1f}") -> str:
 def run(args: argparse.Namespace) -> int:
     from vllm_dsv4_mtp.embedded import data as gsm
 
-    from .common import fewshot_examples, load_problems, prompt_for
+    from .common import MissingCheckpointError, fewshot_examples, load_problems, prompt_for
     from .engine_clock import EngineClockError
     from .server import ManagedServer, ServerSpec, ServerStartError, served_model_name, spec_label
 
-    notes: list[str] = []
-    model, described = choose_model(args.model, notes)
+    try:
+        model, described = choose_model(args.model)
+    except MissingCheckpointError as e:
+        print(f"dsv4-mtp demo: error: {e}", file=sys.stderr)
+        return 2
     k: int | None = args.mtp_k
     problems = load_problems(limit=args.num_problems)
     fewshot = fewshot_examples(args.num_fewshot)
@@ -155,8 +144,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"dsv4-mtp demo: {described}\n  checkpoint: {model}\n  serving with vLLM on CPU through "
           f"`dsv4-mtp serve --profile {args.profile}`, {spec_label(k)}; {len(problems)} held-out problems, "
           f"{args.num_fewshot}-shot, greedy", flush=True)
-    for n in notes:
-        print(f"  WAITING: {n}", flush=True)
 
     runs: dict[str, list[Answer]] = {}
     order = [k] + ([None] if k is not None and not args.no_baseline else [])
@@ -185,8 +172,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsv4-mtp demo: error: {e}", file=sys.stderr)
         return 1
     print_summary(described, runs, k)
-    for n in notes:
-        print(f"   WAITING: {n}")
     return 0
 
 

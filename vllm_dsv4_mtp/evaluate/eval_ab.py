@@ -183,17 +183,21 @@ def write_outputs(out: Path, runs: list[AbRun], args, text: str) -> None:
 
 
 def run_ab(args) -> int:
-    from .common import embedded_models
+    from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR, MXFP4_CHECKPOINT_DIR
+
+    from .common import MissingCheckpointError, require_checkpoint
     from .eval_runs import prepare_task, score_line
     from .server import wait_healthy
 
     if args.server:
         runs = plan_url_runs(args.server, args.baseline)
     else:
-        models = _model_dirs(args.checkpoint) if args.checkpoint else embedded_models()
-        if not models:
-            print("dsv4-mtp eval --ab: error: nothing to compare: pass --server URL (running servers) or "
-                  "--checkpoint NAME=DIR (the embedded models are not built)", file=sys.stderr)
+        try:
+            models = _model_dirs(args.checkpoint) if args.checkpoint else {
+                name: require_checkpoint(path, "--server URL or --checkpoint NAME=DIR")
+                for name, path in (("BF16", BF16_CHECKPOINT_DIR), ("MXFP4", MXFP4_CHECKPOINT_DIR))}
+        except MissingCheckpointError as e:
+            print(f"dsv4-mtp eval --ab: error: {e}", file=sys.stderr)
             return 2
         settings = list(args.mtp)
         runs = plan_managed_runs(models, settings, args.profile, args.serve_arg, args.baseline)

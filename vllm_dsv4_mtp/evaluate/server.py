@@ -22,6 +22,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,14 @@ class ServerStartError(RuntimeError):
 
 class ServerNotReadyError(ServerStartError):
     """A server given by URL did not answer ``/health`` with 200 in the time allowed."""
+
+
+class ServerExitedError(ServerStartError):
+    """The server's process exited before ``/health`` answered 200; ``status`` is its exit status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def free_port() -> int:
@@ -117,21 +126,15 @@ class ManagedServer:
         return self
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerStartError(f"the {spec_label(self.spec.mtp_k)} server for {self.spec.model} exited with "
-                                       f"status {self.proc.returncode} before becoming healthy; log "
-                                       f"{self.log_path}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(1.0)
-        raise ServerStartError(f"the {spec_label(self.spec.mtp_k)} server for {self.spec.model} was not healthy "
-                               f"after {self.start_timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+        what = f"the {spec_label(self.spec.mtp_k)} server for {self.spec.model}"
+        try:
+            wait_healthy(self.base_url, self.start_timeout_s, poll_s=1.0, exit_status=self.proc.poll, progress=False)
+        except ServerExitedError as e:
+            raise ServerStartError(f"{what} exited with status {e.status} before becoming healthy; log "
+                                   f"{self.log_path}:\n{self.log_tail()}") from None
+        except ServerNotReadyError:
+            raise ServerStartError(f"{what} was not healthy after {self.start_timeout_s:.0f} s; log "
+                                   f"{self.log_path}:\n{self.log_tail()}") from None
 
     def stop(self) -> int | None:
         """SIGINT, then SIGKILL to the process group if it does not exit within ``stop_timeout_s``."""
@@ -160,12 +163,17 @@ class ManagedServer:
         self.stop()
 
 
-def wait_healthy(base_url: str, timeout_s: float = 0.0, poll_s: float = 2.0) -> None:
+def wait_healthy(base_url: str, timeout_s: float = 0.0, poll_s: float = 2.0, *,
+                 exit_status: Callable[[], int | None] | None = None, progress: bool = True) -> None:
     """Return once ``GET /health`` answers 200; try once (``timeout_s=0``) or keep trying for ``timeout_s``
-    seconds (a server still loading its model), saying every minute that it is waiting."""
+    seconds (a server still loading its model), saying every minute that it is waiting (``progress``).
+
+    ``exit_status`` (e.g. ``Popen.poll``: None while the server's process runs, its exit status once it has
+    exited) makes a server that crashed while loading fail at once with :class:`ServerExitedError` instead of
+    after the whole timeout; otherwise :class:`ServerNotReadyError` once the time is up.
+    """
     url = server_root(base_url) + "/health"
-    t0 = time.monotonic()
-    said = t0
+    t0 = said = time.monotonic()
     while True:
         try:
             with urllib.request.urlopen(url, timeout=10) as r:
@@ -174,11 +182,15 @@ def wait_healthy(base_url: str, timeout_s: float = 0.0, poll_s: float = 2.0) -> 
                 last = f"HTTP {r.status}"
         except (OSError, urllib.error.URLError) as e:
             last = str(e)
+        status = None if exit_status is None else exit_status()
+        if status is not None:
+            raise ServerExitedError(f"the server for {url} exited with status {status} before becoming healthy",
+                                    status)
         now = time.monotonic()
         if now - t0 >= timeout_s:
             waited = f" after waiting {timeout_s:.0f} s" if timeout_s else ""
             raise ServerNotReadyError(f"cannot reach {url}{waited}: {last}")
-        if now - said >= 60:
+        if progress and now - said >= 60:
             print(f"# waiting for {url} ({now - t0:.0f} of {timeout_s:.0f} s): {last}", file=sys.stderr, flush=True)
             said = now
         time.sleep(poll_s)

@@ -1,11 +1,12 @@
 """Where the time of one engine step goes, MTP off against MTP K, at concurrency 1 (what explains the speedup).
 
-    python -m vllm_dsv4_mtp.evaluate.stepcost --model DIR --mtp-k 2 [--num-problems 8] [--json OUT]
+    python -m vllm_dsv4_mtp.benchmarks.stepcost --model DIR --mtp-k 2 [--num-problems 8] [--json OUT]
 
 Runs vLLM's ``LLM`` (one engine at a time: MTP off, then MTP K) with the cpu-tiny profile's engine settings, its
 engine core in its own process as in the server (so vLLM's CPU thread binding applies), and times with PyTorch
-forward hooks that this module's functions register in the worker through vLLM's public ``LLM.collective_rpc``
-(functions are sent by reference, hence ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; nothing of vLLM is replaced):
+forward hooks (:mod:`.forward_hooks`) that this module registers in the worker through vLLM's public
+``LLM.collective_rpc`` (functions are sent by reference, hence ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; nothing
+of vLLM is replaced):
 
 - the target model's forward (one call per engine step: 1 token without MTP, the K+1-token verify window
   with it) and its logits processor;
@@ -25,43 +26,18 @@ import math
 import os
 import statistics
 import sys
-import time
 from collections import defaultdict
 
-_RECORDS: list[tuple[str, int, float, float]] = []  # (part, tokens, start, end), in the worker's process
-
-
-def _tokens(args, kwargs) -> int:
-    for v in list(args[:2]) + [kwargs.get("input_ids"), kwargs.get("positions")]:
-        if hasattr(v, "shape") and len(v.shape) >= 1:
-            return int(v.shape[0])
-    return -1
-
-
-def _hook(module, part: str) -> None:
-    starts: list[tuple[float, int]] = []
-
-    def pre(mod, args, kwargs):
-        starts.append((time.perf_counter(), _tokens(args, kwargs)))
-
-    def post(mod, args, kwargs, out):
-        t0, n = starts.pop()
-        _RECORDS.append((part, n, t0, time.perf_counter()))
-
-    module.register_forward_pre_hook(pre, with_kwargs=True)
-    module.register_forward_hook(post, with_kwargs=True)
+from vllm_dsv4_mtp.benchmarks.forward_hooks import Record, decoder_blocks, time_forward
 
 
 def _hook_blocks(model, prefix: str) -> list[str]:
-    """Time every decoder block's attention (``*.attn``) and MoE (``*.ffn``), summed per step as
-    ``<prefix>_attention`` / ``<prefix>_moe``: a breakdown inside the ``<prefix>`` forward, not added to it."""
+    """Time every decoder block's attention and MoE, summed per step as ``<prefix>_attention`` /
+    ``<prefix>_moe``: a breakdown inside the ``<prefix>`` forward, not added to it."""
     found = set()
-    for name, mod in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("attn", "ffn") and ".layers." in f".{name}":
-            part = f"{prefix}_{'attention' if leaf == 'attn' else 'moe'}"
-            _hook(mod, part)
-            found.add(part)
+    for _, kind, mod in decoder_blocks(model):
+        time_forward(mod, f"{prefix}_{kind}")
+        found.add(f"{prefix}_{kind}")
     return sorted(found)
 
 
@@ -70,32 +46,26 @@ def install_hooks(worker) -> list[str]:
     runner = worker.model_runner
     installed = []
     target = runner.model
-    _hook(target, "target")
-    _hook(target.logits_processor, "target_logits")
+    time_forward(target, "target")
+    time_forward(target.logits_processor, "target_logits")
     installed += ["target", "target_logits"] + _hook_blocks(target, "target")
     drafter = getattr(runner, "drafter", None)
     draft = getattr(drafter, "model", None)
     if draft is not None:
-        _hook(draft, "draft")
+        time_forward(draft, "draft")
         installed.append("draft")
         if draft.logits_processor is not target.logits_processor:
-            _hook(draft.logits_processor, "draft_logits")
+            time_forward(draft.logits_processor, "draft_logits")
             installed.append("draft_logits")
         installed += _hook_blocks(draft, "draft")
     return installed
-
-
-def take_records(worker) -> list[tuple[str, int, float, float]]:
-    out = list(_RECORDS)
-    _RECORDS.clear()
-    return out
 
 
 PARTS = ("target", "target_logits", "draft", "draft_logits")  # disjoint; the rest of a step is "other"
 SUBPARTS = ("target_attention", "target_moe", "draft_attention", "draft_moe")  # inside target / draft
 
 
-def summarize(per_request: list[list[tuple[str, int, float, float]]], output_tokens: list[int],
+def summarize(per_request: list[list[Record]], output_tokens: list[int],
               keep_quantile: float = 0.9) -> dict:
     """Per decode step (every target forward after a request's first, the prefill): step time, and the time of
     each part inside it, in ms, averaged over the decode steps no slower than the ``keep_quantile`` quantile
@@ -150,7 +120,8 @@ def measure(model: str, mtp_k: int | None, prompts: list[str], max_tokens: int) 
 
     # the hook functions must travel by reference (module name), not by value as they would from __main__, so
     # that the records they keep and the one that hands them back share the worker's module global
-    from vllm_dsv4_mtp.evaluate.stepcost import install_hooks, take_records
+    from vllm_dsv4_mtp.benchmarks.forward_hooks import take_records
+    from vllm_dsv4_mtp.benchmarks.stepcost import install_hooks
 
     spec = None if mtp_k is None else {"method": "mtp", "num_speculative_tokens": mtp_k}
     llm = LLM(model=model, dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True,
@@ -215,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     # collective_rpc sends this module's hook functions to the engine-core process (by reference)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from .common import fewshot_examples, load_problems, machine, prompt_for
+    from vllm_dsv4_mtp.evaluate.common import fewshot_examples, load_problems, machine, prompt_for
 
     shots = fewshot_examples(args.num_fewshot)
     prompts = [prompt_for(p, shots) for p in load_problems(limit=args.num_problems)]

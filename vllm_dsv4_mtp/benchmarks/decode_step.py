@@ -45,6 +45,12 @@ def model_dirs(tmp: str) -> dict[str, str]:
     """name -> checkpoint directory (the floor is built into ``tmp``)."""
     from vllm_dsv4_mtp.benchmarks.floor import build_floor_checkpoint
     from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR, MXFP4_CHECKPOINT_DIR
+    from vllm_dsv4_mtp.evaluate.common import has_checkpoint
+
+    for d in (BF16_CHECKPOINT_DIR, MXFP4_CHECKPOINT_DIR):  # the benchmark measures the shipped models only
+        if not has_checkpoint(d):
+            raise SystemExit(f"decode_step: error: no checkpoint at {d}: the embedded models ship with the "
+                             "repository, not the wheel (run it in a clone)")
 
     with open(BF16_CHECKPOINT_DIR / "config.json") as f:
         vocab = json.load(f)["vocab_size"]

@@ -79,6 +79,29 @@ def run_setting(ckpt: str, k: int, prompts: list[list[int]], max_tokens: int, dt
     }
 
 
+def synthetic_checkpoint(args, p: argparse.ArgumentParser) -> str:
+    """``--model permutation|random``: a tiny checkpoint whose MTP layer drafts perfectly / at random."""
+    import tempfile
+
+    try:  # the synthetic drafts are test fixtures: in the repository, not in the wheel
+        from vllm_dsv4_mtp.testing.mtp_checkpoints import make_permutation_model, scale_head
+    except ImportError:
+        p.error(f"--model {args.model} needs vllm_dsv4_mtp.testing (a repository clone; the wheel leaves it "
+                "out): pass --checkpoint DIR")
+    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
+
+    ckpt = str(build_tiny_checkpoint(tempfile.mkdtemp(prefix="dsv4-mtp-bench-"), seed=0))
+    if args.model == "permutation":
+        make_permutation_model(ckpt, seed=0)
+    else:
+        scale_head(ckpt, args.head_scale)
+        if args.sharpen_routing:
+            from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
+
+            sharpen_routing(ckpt)
+    return ckpt
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vllm_dsv4_mtp.benchmarks.mtp_draft", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", help="a DeepSeek-V4 checkpoint directory with mtp.* weights")
@@ -98,22 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
 
-    ckpt = args.checkpoint
-    if ckpt is None:
-        import tempfile
-
-        from vllm_dsv4_mtp.testing.mtp_checkpoints import make_permutation_model, scale_head
-        from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
-
-        ckpt = str(build_tiny_checkpoint(tempfile.mkdtemp(prefix="dsv4-mtp-bench-"), seed=0))
-        if args.model == "permutation":
-            make_permutation_model(ckpt, seed=0)
-        else:
-            scale_head(ckpt, args.head_scale)
-            if args.sharpen_routing:
-                from vllm_dsv4_mtp.testing.hf_oracle import sharpen_routing
-
-                sharpen_routing(ckpt)
+    ckpt = args.checkpoint or synthetic_checkpoint(args, p)
     with open(f"{ckpt}/config.json") as f:
         vocab = json.load(f)["vocab_size"]
     prompts = prompts_for(vocab, args.prompts) if not args.questions else question_prompts(

@@ -49,14 +49,10 @@ def test_bf16_model_and_text_generation(llm):
 
 
 def test_prompt_logprobs_within_bf16_noise_floor(llm, ckpt):
-    from vllm import SamplingParams
-
-    from vllm_dsv4_mtp.testing.hf_oracle import compare_prompt_logprobs, load_hf_model
+    from vllm_dsv4_mtp.testing.hf_oracle import engine_prompt_logprobs_vs_hf, load_hf_model
 
     prompts = random_prompts(PROMPT_LENS, seed=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False))
-    r = compare_prompt_logprobs(outs, prompts, load_hf_model(ckpt))
+    r = engine_prompt_logprobs_vs_hf(llm, prompts, load_hf_model(ckpt))
     assert r["mean_abs"] <= MAX_MEAN, r
     assert r["top1"] >= MIN_TOP1, r
     assert r["max_abs"] <= MAX_ABS, r

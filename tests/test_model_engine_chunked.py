@@ -51,14 +51,10 @@ def test_engine_keeps_chunked_prefill_and_prefix_caching(llm):
 
 
 def test_chunked_prompt_logprobs_match_hf(llm, hf):
-    from vllm import SamplingParams
-
-    from vllm_dsv4_mtp.testing.hf_oracle import compare_prompt_logprobs
+    from vllm_dsv4_mtp.testing.hf_oracle import engine_prompt_logprobs_vs_hf
 
     prompts = random_prompts((450, 9, 200, 61), seed=0)  # 450 = 8 chunks of <= 64 tokens
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False))
-    r = compare_prompt_logprobs(outs, prompts, hf)
+    r = engine_prompt_logprobs_vs_hf(llm, prompts, hf)
     assert r["max_abs"] <= MAX_ABS_LOGPROB, r
     assert r["top1"] == 1.0, r
 

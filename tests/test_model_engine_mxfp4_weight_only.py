@@ -44,16 +44,12 @@ def hf(ckpt, tmp_path_factory):
 
 
 def test_weight_only_mxfp4_equals_hf_on_dequantized_weights(llm, hf):
-    from vllm import SamplingParams
-
-    from vllm_dsv4_mtp.testing.hf_oracle import compare_prompt_logprobs
+    from vllm_dsv4_mtp.testing.hf_oracle import engine_prompt_logprobs_vs_hf
 
     info = llm.apply_model(operator.methodcaller("describe"))[0]
     assert info["expert_activation_quant"] == [False] * 4
     prompts = random_prompts(PROMPT_LENS, seed=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False))
-    r = compare_prompt_logprobs(outs, prompts, hf)
+    r = engine_prompt_logprobs_vs_hf(llm, prompts, hf)
     assert r["max_abs"] <= MAX_ABS_LOGPROB, r
     assert r["top1"] == 1.0, r
 

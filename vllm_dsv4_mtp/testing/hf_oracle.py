@@ -86,6 +86,16 @@ def sharpen_routing(ckpt: str | Path, bias_scale: float = 100.0) -> None:
     rewrite_tensors(ckpt, lambda name, t: t * bias_scale if name.endswith("ffn.gate.bias") else None)
 
 
+def engine_prompt_logprobs_vs_hf(llm, prompts: list[list[int]], hf_model) -> dict[str, float]:
+    """Run ``prompts`` through a vLLM ``LLM`` for their prompt log-probabilities (one greedy token each) and
+    compare them with HF's: :func:`compare_prompt_logprobs`'s report."""
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False))
+    return compare_prompt_logprobs(outs, prompts, hf_model)
+
+
 @torch.no_grad()
 def compare_prompt_logprobs(outputs, prompts: list[list[int]], hf_model) -> dict[str, float]:
     """Per-position log-probabilities of vLLM's prompt logprobs (``prompt_logprobs >= 1``) against HF.

@@ -208,6 +208,8 @@ _DEL = object()
          "'rope_scaling.original_max_position_embeddings'"),
         ({"rope_scaling": {**YARN, "type": "linear"}},
          "x.json: field 'rope_scaling.type' must be 'yarn' (YaRN on compressed layers), got 'linear'"),
+        ({"rope_scaling": {**YARN, "attention_factor": 0.5}},
+         "x.json: field 'rope_scaling.attention_factor' must be 1.0 for DeepSeek-V4, got 0.5"),
         ({"vocab_size": 0}, "x.json: field 'vocab_size' must be > 0, got 0"),
         ({"layer_types": ["sliding_attention", "compressed_sparse_attention", "sliding_attention",
                           "compressed_sparse_attention"]},

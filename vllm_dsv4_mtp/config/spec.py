@@ -311,6 +311,10 @@ class DeepseekV4Spec:
             v = rs[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise self._err(f"field 'rope_scaling.{key}' must be a number > 0, got {v!r}")
+        attention_factor = rs.get("attention_factor", 1.0)
+        if attention_factor not in (None, 1.0):  # DeepSeek-V4's YaRN scales frequencies only
+            raise self._err(f"field 'rope_scaling.attention_factor' must be 1.0 for DeepSeek-V4, got "
+                            f"{attention_factor!r}")
 
     def _validate_hf_layer_types(self, raw: Mapping[str, Any]) -> None:
         """An HF ``layer_types`` / ``compress_rates`` next to ``compress_ratios`` must say the same thing."""

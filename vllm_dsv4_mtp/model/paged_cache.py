@@ -76,8 +76,9 @@ def cache_row_width(compress_ratios: list[int], head_dim: int, index_head_dim: i
 
 def entry_channels(compress_ratio: int, head_dim: int, index_head_dim: int) -> dict[str, int]:
     """Where a layer's row keeps its parts (channel offsets): ``kv``, ``kv_gate`` (compressor ``[c | z]``),
-    ``index_kv_gate`` (indexer ``[c | z]``), and in the row of a block's completing token ``entry`` (the compressed entry,
-    ``head_dim`` wide) and ``ikey`` (the indexer key, ``index_head_dim`` wide); see the module docstring."""
+    ``index_kv_gate`` (indexer ``[c | z]``), and in the row of a block's completing token ``entry`` (the
+    compressed entry, ``head_dim`` wide) and ``ikey`` (the indexer key, ``index_head_dim`` wide); see the module
+    docstring."""
     d, di = head_dim, index_head_dim
     out = {"kv": 0}
     if compress_ratio > 1:

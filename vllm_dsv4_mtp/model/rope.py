@@ -37,21 +37,6 @@ def rope_inv_freq(rope_dim: int, theta: float, yarn: dict | None) -> torch.Tenso
     return (inv_freq / factor) * (1.0 - keep) + inv_freq * keep
 
 
-def yarn_params_from_config(rope_scaling: dict | None) -> dict | None:
-    """The YaRN parameters of a ``rope_scaling`` / ``rope_parameters`` dict, or None when it is not YaRN."""
-    if not rope_scaling:
-        return None
-    if isinstance(rope_scaling.get("compress"), dict):  # HF-style nested {"main", "compress"}
-        rope_scaling = rope_scaling["compress"]
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if kind != "yarn":
-        return None
-    attention_factor = rope_scaling.get("attention_factor", 1.0)
-    if attention_factor not in (None, 1.0):
-        raise ValueError(f"rope_scaling.attention_factor must be 1.0 for DeepSeek-V4 (got {attention_factor})")
-    return rope_scaling
-
-
 class DeepseekV4Rope(nn.Module):
     """Interleaved partial rotary embedding of one layer (``rope_dim`` trailing channels).
 
@@ -115,10 +100,12 @@ class DeepseekV4Rope(nn.Module):
 def layer_rope(
     *, compress_ratio: int, rope_dim: int, rope_theta: float, compress_rope_theta: float, rope_scaling: dict | None
 ) -> DeepseekV4Rope:
-    """The rope of a layer: plain ``rope_theta`` for SWA (ratio 0/1), YaRN ``compress_rope_theta`` otherwise."""
+    """The rope of a layer: plain ``rope_theta`` for SWA (ratio 0/1), YaRN ``compress_rope_theta`` otherwise.
+
+    ``rope_scaling``: the validated spec's (a YaRN dict, or None for plain rope on every layer)."""
     if compress_ratio > 1:
-        return DeepseekV4Rope(rope_dim, compress_rope_theta, yarn_params_from_config(rope_scaling))
+        return DeepseekV4Rope(rope_dim, compress_rope_theta, rope_scaling)
     return DeepseekV4Rope(rope_dim, rope_theta, None)
 
 
-__all__ = ["DeepseekV4Rope", "layer_rope", "rope_inv_freq", "yarn_params_from_config"]
+__all__ = ["DeepseekV4Rope", "layer_rope", "rope_inv_freq"]

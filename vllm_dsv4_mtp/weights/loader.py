@@ -24,6 +24,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec, WeightSlot, weight_slots
 from vllm_dsv4_mtp.formats.dequant import DENSE, Decoded, Dequantizer, is_quantized_weight, scale_owner
+from vllm_dsv4_mtp.formats.finite import has_nonfinite
 from vllm_dsv4_mtp.weights.names import ParamRef
 
 logger = init_logger("vllm.dsv4_mtp.weights")
@@ -118,8 +119,8 @@ class CheckpointLoader:
             return t
         if d.stored == DENSE and _SAFETENSORS_DTYPES.get(t.dtype) not in slot.dtypes:
             raise self._err(f"{name}: stored as {t.dtype}, expected {'/'.join(slot.dtypes)} (the DeepSeek-V4 layout)")
-        bad = int((~torch.isfinite(t)).sum())
-        if bad:
+        if has_nonfinite(t):  # one reduction per tensor; the count only for the error
+            bad = int((~torch.isfinite(t)).sum())
             raise self._err(f"{name}: {bad} non-finite value(s) (NaN or Inf); the checkpoint is corrupt")
         return t
 

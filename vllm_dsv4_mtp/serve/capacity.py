@@ -62,15 +62,16 @@ def _weight_rows(table: WeightTable, par: Parallelism, runs: Runs) -> tuple[list
              if par.dp > 1 else f"/ {par.expert_ways * par.pp} ({'EP' if par.expert_parallel else 'TP'})",
              "tp": f"/ {par.tp * par.pp} (TP)", "replicated": "replicated" if par.pp == 1 else f"/ {par.pp} (PP)"}
     rows, weights = [], 0.0
-    draft = [(p, stored) for comp, p, stored in table.parts(runs) if comp == "draft"]
-    for comp, p, stored in table.parts(runs):
-        if comp != "target" or not p.nbytes(stored, runs.dtype_bytes):
-            continue
+    parts = list(table.parts(runs))
+    draft = [(p, stored) for comp, p, stored in parts if comp == "draft"]
+    for comp, p, stored in parts:
         nbytes = p.nbytes(stored, runs.dtype_bytes)
-        weights += nbytes / p.ways(par)
+        if comp != "target" or not nbytes:
+            continue
+        per_gpu = nbytes / p.ways(par)
+        weights += per_gpu
         rows.append(_row(f"{p.label:<32} {p.precision_label(stored, runs.dtype_bytes):<20} "
-                         f"{_fmt_params(p.params):>12} {nbytes / GB:8.2f} GB  {split[p.split]:<16}",
-                         nbytes / p.ways(par)))
+                         f"{_fmt_params(p.params):>12} {nbytes / GB:8.2f} GB  {split[p.split]:<16}", per_gpu))
     if draft:
         nbytes = sum(p.nbytes(s, runs.dtype_bytes) for p, s in draft)
         per = sum(p.nbytes(s, runs.dtype_bytes) / p.ways(par) for p, s in draft)

@@ -195,23 +195,35 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 def fake_quant(x: torch.Tensor, group_size: int = BLOCK_SIZE) -> torch.Tensor:
     """Quantize-dequantize ``x [..., K]`` (the W4A4 activation rounding); same shape and dtype as ``x``.
 
-    The same values as ``dequantize(*quantize(x))``, bit for bit, in about a third of the ops (it runs on every
-    W4A4 GEMM input of every step): no codes are formed. A block's elements, divided by its E8M0 scale, are
-    rounded to the E2M1 grid directly: the grid's spacing is 0.5 below 2, 1 below 4 and 2 up to 6 (the largest
-    value), and ``torch.round`` rounds half to even, which is E2M1's tie rule (ties go to the even code).
+    The same values as ``dequantize(*quantize(x))``, bit for bit, in a fraction of the ops (it runs on every
+    W4A4 GEMM input of every step): no codes or scale bytes are formed. A block's magnitudes, divided by its
+    E8M0 scale (:func:`_even_scale`, exact: a power of two), are rounded to the E2M1 grid directly: the grid's
+    spacing is 0.5 below 2, 1 below 4 and 2 up to 6 (the largest value), and ``torch.round`` rounds half to
+    even, which is E2M1's tie rule (ties go to the even code).
     """
     if x.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"MXFP4 quantize needs a floating-point tensor, got {x.dtype}")
     _check_last_dim(x, group_size)
     lead, k = x.shape[:-1], x.shape[-1]
     blocks = x.to(torch.float32).reshape(*lead, k // group_size, group_size)
-    scale = e8m0_to_float(e8m0_scale_even(blocks.abs().amax(dim=-1))).unsqueeze(-1)
-    v = blocks / scale  # exact: a power of two (NaN for a NaN block, which stays NaN below)
-    a = v.abs()
+    mag = blocks.abs()
+    scale = _even_scale(mag.amax(dim=-1, keepdim=True))  # NaN for a NaN block: its every element stays NaN
+    a = mag / scale
     per_unit = torch.where(a < 2, 2.0, torch.where(a < 4, 1.0, 0.5))  # 1 / grid spacing
     q = (torch.round(a * per_unit) / per_unit).clamp_(max=6.0)  # saturates at 6, as the largest code
     # + 0.0: an element that rounds to zero is +0.0, as Quark writes it (copysign would keep -0.0)
-    return (torch.copysign(q, v) * scale + 0.0).reshape(*lead, k).to(x.dtype)
+    return (torch.copysign(q, blocks) * scale + 0.0).reshape(*lead, k).to(x.dtype)
+
+
+def _even_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Block amax float32 ``[...]`` (>= 0 or NaN) -> its E8M0 scale as float32, the value of
+    ``e8m0_to_float(e8m0_scale_even(amax))`` except for all-zero blocks (``2**-127`` here, not the exporter's
+    byte 1: either way every element rounds to +0.0)."""
+    # int32 suffices: only NaN bit patterns can wrap, and NaN blocks are masked at the end
+    e = (amax.view(torch.int32) + (1 << 21)) >> 23
+    byte = (e - _E2M1_EMAX).clamp_(0, 252).masked_fill_(e >= 255, 254)
+    bits = torch.where(byte == 0, 1 << 22, byte << 23)  # byte 0 is 2**-127, a float32 subnormal
+    return bits.view(torch.float32).masked_fill_(amax.isnan(), float("nan"))
 
 
 def _scaled(values: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:

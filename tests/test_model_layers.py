@@ -338,7 +338,9 @@ def test_attention_rms_norm_equals_vllm_rmsnorm(dtype):
 
     from vllm_dsv4_mtp.model.norm import rms_norm
 
-    norm = RMSNorm(96, eps=1e-6).to(dtype)
-    norm.weight.data.copy_(torch.randn(96))
-    x = (torch.randn(7, 96) * 3).to(dtype)
-    assert torch.equal(rms_norm(x, norm), norm(x))
+    g = torch.Generator().manual_seed(0)
+    for shape in [(7, 96), (300, 128), (64, 1024), (5, 4, 512)]:
+        norm = RMSNorm(shape[-1], eps=1e-6).to(dtype)
+        norm.weight.data.copy_(torch.randn(shape[-1], generator=g))
+        x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+        assert torch.equal(rms_norm(x, norm), norm(x)), shape

@@ -220,3 +220,26 @@ def test_duplicate_layer_name_is_refused():
     vc = _vllm_config(4, ctx={"model.layers.0.attn": core})
     with pytest.raises(ValueError, match="Duplicate attention layer name 'model.layers.0.attn'"):
         ac.PagedRowCache(row_width=6, cache_width=8, prefix="model.layers.0.attn", vllm_config=vc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+def test_grouped_wo_a_per_group_linears_equal_the_batched_matmul(dtype, tokens):
+    """After pack() ``wo_a`` runs one dispatched linear per group on strided group slices of its input; the
+    result is the block-diagonal product the unpacked batched matmul computes."""
+    from vllm_dsv4_mtp.model.attention import GroupedLinear
+
+    g = torch.Generator().manual_seed(0)
+    wo_a = GroupedLinear(256, 64, n_groups=4, n_local_groups=2)
+    wo_a.weight.data.copy_(torch.randn(128, 256, generator=g) * 0.05)
+    wo_a.to(dtype)
+    o = torch.randn(tokens, 2, 256, generator=g).to(dtype)
+    batched = wo_a(o)
+    wo_a.pack()
+    packed = wo_a(o)
+    blocks = torch.block_diag(*wo_a.weight.detach().double().view(2, 64, 256))
+    exact = o.double().flatten(1) @ blocks.T
+    assert packed.shape == batched.shape == (tokens, 128)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got in (batched, packed):
+        torch.testing.assert_close(got.double(), exact, atol=tol * exact.abs().max().item(), rtol=0)

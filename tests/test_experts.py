@@ -53,7 +53,7 @@ def _reference(x, weights, ids, ws, limit, w4a4):
     return out
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 40])  # few assignments: one expert at a time; many: one grouped GEMM
+@pytest.mark.parametrize("tokens", [1, 3, 40])  # one, a few and all experts hit
 @pytest.mark.parametrize("w4a4", [False, True])
 def test_experts_compute_the_routed_sum(tokens, w4a4):
     E, D, I, k = 8, 64, 32, 2
@@ -69,17 +69,25 @@ def test_experts_compute_the_routed_sum(tokens, w4a4):
     torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=0)
 
 
-def test_grouped_and_one_by_one_dispatch_agree():
-    """The two dispatch paths compute the same thing (the batch size only picks one)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_compute_what_the_parameters_do(dtype):
+    """After pack() the experts' GEMMs go through vLLM's CPU linear dispatch; the routed sum is the one the
+    parameters give through F.linear (float32: to rounding; bfloat16: to one output rounding)."""
     E, D, I = 8, 64, 32
-    ex = experts.PortableExperts(E, D, I, 10.0, dtype=torch.float32)
+    ex = experts.PortableExperts(E, D, I, 10.0, dtype=dtype)
     _load(ex, _expert_weights(E, D, I, seed=2))
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(50, D, generator=g)
-    ids = torch.randint(0, E, (50, 2), generator=g)
-    token = torch.arange(50).repeat_interleave(2)
-    torch.testing.assert_close(ex._grouped(x, token, ids.reshape(-1)), ex._one_by_one(x, token, ids.reshape(-1)),
-                               atol=1e-5, rtol=1e-5)
+    for tokens in (1, 50):
+        x = torch.randn(tokens, D, generator=g).to(dtype)
+        ids = torch.randint(0, E, (tokens, 2), generator=g)
+        ws = torch.rand(tokens, 2, generator=g)
+        ex._linears = None
+        plain = ex(x, ws, ids)
+        ex.pack()
+        assert ex._linears is not None
+        packed = ex(x, ws, ids)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(packed.float(), plain.float(), atol=tol * plain.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])

@@ -33,49 +33,23 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.model.compressor import Compressor
+from vllm_dsv4_mtp.model.cpu_linear import Linear, slice_linears
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
 from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.rope import layer_rope
+from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
 
 # the intermediates of one group of segments (scores, gathered keys) stay below this many elements
 GROUP_BUDGET = 1 << 23
 
 
-def sink_attention(
-    q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Softmax attention with a per-head sink logit in the denominator only; K = V = the keys.
-
-    ``q: [B, S, H, d]`` (``B`` segments of ``S`` queries); ``parts``: the key sets, each ``(keys, hidden)``
-    with ``keys`` either ``[B, K, d]`` (shared by a segment's queries) or ``[B, S, k, d]`` (one set per query)
-    and ``hidden: [B, S, K]`` bool (True = not visible); the softmax runs over all of them together, without
-    concatenating the keys. ``sink: [H]`` float32 -> ``[B, S, H, d]`` in ``q.dtype``. Computed in float32.
-    """
-    b, s, h, d = q.shape
-    qf = q.float()
-    keys = [k.float() for k, _ in parts]
-    logits = [torch.bmm(qf.reshape(b, s * h, d), k.transpose(1, 2)).view(b, s, h, -1) if k.dim() == 3
-              else torch.matmul(qf, k.transpose(-1, -2)) for k in keys]
-    sizes = [x.shape[-1] for x in logits]
-    hidden = torch.cat([m for _, m in parts], dim=-1) if len(parts) > 1 else parts[0][1]
-    logits = torch.cat(logits, dim=-1) if len(parts) > 1 else logits[0]
-    logits = logits.mul_(scale).masked_fill_(hidden.unsqueeze(2), float("-inf"))
-    # the sink is one more logit per head whose value carries nothing: softmax over [logits | sink]
-    logits = torch.cat([logits, sink.float().view(1, 1, h, 1).expand(b, s, h, 1)], dim=-1)
-    p = torch.softmax(logits, dim=-1).split([*sizes, 1], dim=-1)
-    out = None
-    for pi, k in zip(p, keys):
-        oi = (torch.bmm(pi.reshape(b, s * h, -1), k).view(b, s, h, d) if k.dim() == 3 else torch.matmul(pi, k))
-        out = oi if out is None else out.add_(oi)
-    return out.to(q.dtype)
-
-
 class GroupedLinear(nn.Module):
     """Block-diagonal ``wo_a``: group ``g`` maps its ``(H/G) d`` inputs to ``o_lora`` outputs.
 
-    ``weight: [G_local * o_lora, (H/G) d]`` (native ``wo_a.weight`` rows of this rank's groups); applied as a
-    batched matmul, so it is a plain parameter rather than a vLLM linear layer.
+    ``weight: [G_local * o_lora, (H/G) d]`` (native ``wo_a.weight`` rows of this rank's groups); applied per
+    group (after :meth:`pack`, through vLLM's CPU GEMM dispatch, ``model/cpu_linear.py``; before, as one
+    batched matmul), so it is a plain parameter rather than a vLLM linear layer.
     """
 
     def __init__(self, in_per_group: int, out_per_group: int, n_groups: int, n_local_groups: int):
@@ -85,6 +59,7 @@ class GroupedLinear(nn.Module):
         self.n_local_groups = n_local_groups
         self.weight = nn.Parameter(torch.empty(n_local_groups * out_per_group, in_per_group), requires_grad=False)
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        self._linears: list[Linear] | None = None
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         full = (self.n_groups * self.out_per_group, param.shape[1])
@@ -94,10 +69,20 @@ class GroupedLinear(nn.Module):
         start = get_tensor_model_parallel_rank() * rows
         param.data.copy_(loaded[start : start + rows])
 
+    def _grouped_weight(self) -> torch.Tensor:
+        return self.weight.view(self.n_local_groups, self.out_per_group, -1)
+
+    def pack(self) -> None:
+        """After loading: one linear per group."""
+        self._linears = slice_linears(self._grouped_weight())
+
     def forward(self, o: torch.Tensor) -> torch.Tensor:
-        """``o: [T, G_local, (H/G) d]`` -> ``[T, G_local, o_lora]``."""
-        w = self.weight.view(self.n_local_groups, self.out_per_group, -1)
-        return torch.bmm(o.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+        """``o: [T, G_local, (H/G) d]`` -> ``[T, G_local * o_lora]`` (groups side by side)."""
+        if self._linears is None:
+            w = self._grouped_weight()
+            return torch.bmm(o.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)
+        out = [lin(o[:, g]) for g, lin in enumerate(self._linears)]
+        return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
 
 
 class DeepseekV4Attention(nn.Module):
@@ -210,7 +195,7 @@ class DeepseekV4Attention(nn.Module):
         """Grouped low-rank output projection: ``o: [T, H_local, d]`` -> ``[T, D]`` (all-reduced over TP)."""
         t = o.shape[0]
         o = o.reshape(t, self.n_local_groups, -1)  # [T, G_local, (H/G) d]
-        return self.wo_b(self.wo_a(o).flatten(1))
+        return self.wo_b(self.wo_a(o))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x: [T, D]`` (the normed sub-layer input) at ``positions: [T]`` -> ``[T, D]``.
@@ -274,21 +259,41 @@ class DeepseekV4Attention(nn.Module):
         o = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(b * s, *q.shape[1:])
         return o if md.output_index is None else o.index_select(0, md.output_index)
 
+    def _shared_keys(self, md) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys every query of a segment may see: the window and (C128-style layers) every complete entry, as
+        one cache-piece index ``[n_seg, K]`` (one gather reads both), their mask ``hidden [n_seg, S, K]``
+        bool and its additive form; the same for every layer of this kind, so made once per step."""
+        key = ("shared_keys", self.window, 0 if self.indexer is not None else self.compress_ratio)
+        if key not in md.memo:
+            d, ch = self.head_dim, self.channels
+            win = md.window(self.window)
+            index, hidden = [self.cache.piece_index(win.slots, ch["kv"], d)], [win.hidden]
+            ent = md.entries(self.compress_ratio) if self.compress_ratio and self.indexer is None else None
+            if ent is not None and ent.count:
+                index.append(self.cache.piece_index(ent.slots, ch["entry"], d))
+                hidden.append(ent.hidden)
+            index, hidden = torch.cat(index, dim=1), torch.cat(hidden, dim=-1)
+            md.memo[key] = (index, hidden, additive_mask(hidden, self.cache.dtype))
+        return md.memo[key]
+
     def _attend_group(self, md, seg: slice, q: torch.Tensor, iq: torch.Tensor | None,
                       iw: torch.Tensor | None) -> torch.Tensor:
         """One group of segments: ``q: [B, S, H_local, d]`` -> ``[B, S, H_local, d]``."""
         d, ch = self.head_dim, self.channels
-        win = md.window(self.window)
-        parts = [(self.cache.gather(win.slots[seg], ch["kv"], d), win.hidden[seg])]
-        ent = md.entries(self.compress_ratio) if self.compress_ratio else None
-        if ent is not None and ent.count and self.indexer is None:  # C128-style: every complete entry
-            parts.append((self.cache.gather(ent.slots[seg], ch["entry"], d), ent.hidden[seg]))
-        elif ent is not None and ent.count:  # C4: each query's indexer picks among the complete entries
+        index, hidden, mask = (t[seg] for t in self._shared_keys(md))
+        per_query = None
+        ent = md.entries(self.compress_ratio) if self.indexer is not None else None
+        if ent is not None and ent.count:  # C4: each query's indexer picks among the complete entries
             slots = ent.slots[seg]
             index_keys = self.cache.gather(slots, ch["ikey"], self.indexer.head_dim)
             picks, unseen = indexer_topk(iq, iw, index_keys, ent.hidden[seg], ent.limit[seg],
                                          topk=self.indexer.topk)
             bsz, s, k = picks.shape
-            picked = torch.gather(slots, 1, picks.reshape(bsz, s * k)).view(bsz, s, k)
-            parts.append((self.cache.gather(picked, ch["entry"], d), unseen))
-        return sink_attention(q, parts, self.attn_sink, self.scale)
+            picked = self.cache.piece_index(torch.gather(slots, 1, picks.reshape(bsz, s * k)), ch["entry"], d)
+            if s == 1:  # a decode's picks are its segment's own: one key set, one gather
+                index = torch.cat([index, picked], dim=1)
+                mask = torch.cat([mask, additive_mask(unseen, mask.dtype)], dim=-1)
+            else:
+                per_query = (self.cache.gather_pieces(picked.view(bsz, s, k), d), unseen)
+        keys = self.cache.gather_pieces(index, d)
+        return sink_attention(q, (keys, mask), per_query, self.attn_sink, self.scale)

@@ -27,6 +27,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 
 from vllm_dsv4_mtp.config import spec_from_hf_config
 from vllm_dsv4_mtp.formats.checkpoint import validate_shard_headers
+from vllm_dsv4_mtp.model.cpu_linear import pack_weights
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.norm import rms_norm
@@ -137,7 +138,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Load the main-model tensors of a native checkpoint (``mtp.*`` is the draft's); strict, see
         :class:`vllm_dsv4_mtp.weights.loader.CheckpointLoader`."""
         spec = self.model.spec
-        return CheckpointLoader(
+        loaded = CheckpointLoader(
             self, spec, scope=TARGET, dtype=self.vllm_config.model_config.dtype, source=self.source,
             param_for=lambda name: target_param(name, num_hidden_layers=spec.num_hidden_layers),
         ).load(weights)
+        pack_weights(self)
+        return loaded

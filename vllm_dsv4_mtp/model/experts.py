@@ -12,9 +12,9 @@ checkpoint loader fills them like vLLM's own. Tensor parallelism splits the inte
 parallelism instead gives each rank ``E / world`` whole experts. Either way a rank returns a partial sum and
 the MoE all-reduces.
 
-Dispatch: with few routed assignments the hit experts run one by one; once the assignments reach a quarter of
-the experts they run as one padded grouped GEMM (every expert's tokens gathered into ``[E, C_max, D]``), so
-the number of ops per step does not grow with the batch.
+Dispatch: the step's assignments are sorted by expert once; each hit expert then runs its two GEMMs on its
+contiguous run of rows, the SwiGLU (and the W4A4 rounding) once over all rows. After loading, :meth:`pack`
+gives each expert's matrices vLLM's CPU GEMM dispatch (``model/cpu_linear.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_dsv4_mtp.formats import mxfp4
+from vllm_dsv4_mtp.model.cpu_linear import Linear, slice_linears
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -69,6 +70,7 @@ class PortableExperts(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self._linears: list[tuple[Linear, Linear]] | None = None  # per expert (w13, w2), set by pack()
 
     # --------------------------------------------------------------------------------------------- loading
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, weight_name: str, shard_id: str,
@@ -98,6 +100,16 @@ class PortableExperts(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         return self._act(swiglu_clamped(gate, up, self.swiglu_limit))
 
+    def pack(self) -> None:
+        """After loading: each expert's ``w13`` and ``w2`` as a linear of its own (``model/cpu_linear.py``)."""
+        self._linears = list(zip(slice_linears(self.w13_weight), slice_linears(self.w2_weight)))
+
+    def _linear(self, e: int, which: int) -> Linear:
+        if self._linears is not None:
+            return self._linears[e][which]
+        w = (self.w13_weight, self.w2_weight)[which][e]
+        return lambda x: F.linear(x, w)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 x_rounded: torch.Tensor | None = None) -> torch.Tensor:
         """``x: [T, D]``, ``weights: [T, k]`` float32, ``ids: [T, k]`` global expert ids -> ``[T, D]``
@@ -105,36 +117,30 @@ class PortableExperts(nn.Module):
         already rounded to MXFP4 (the MoE rounds it once for its routed and shared experts)."""
         t, k = ids.shape
         local = ids.reshape(-1) - self.first_expert
-        keep = (local >= 0) & (local < self.local_experts)
-        token = torch.arange(t, device=x.device).repeat_interleave(k)[keep]
-        expert, weight = local[keep], weights.reshape(-1)[keep]
+        token = torch.arange(t * k, device=x.device) // k
+        weight = weights.reshape(-1)
+        if self.local_experts < self.num_experts:  # expert parallel: only this rank's experts
+            keep = ((local >= 0) & (local < self.local_experts)).nonzero().squeeze(-1)
+            local, token, weight = local[keep], token[keep], weight[keep]
         out = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
-        if expert.numel():
+        if local.numel():
+            order = torch.argsort(local, stable=True)
+            token, weight = token[order], weight[order]
+            counts = torch.bincount(local, minlength=self.local_experts).tolist()
             xq = x_rounded if x_rounded is not None else self._act(x)
-            if 4 * expert.numel() >= self.local_experts:
-                y = self._grouped(xq, token, expert)
-            else:
-                y = self._one_by_one(xq, token, expert)
+            y = self._run(xq[token], counts)
             out.index_add_(0, token, y.float() * weight.unsqueeze(-1))
         return out.to(x.dtype)
 
-    def _one_by_one(self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """Each hit expert on its tokens: ``[A, D]`` outputs in assignment order."""
-        y = x.new_empty(token.shape[0], x.shape[-1])
-        for e in torch.unique(expert).tolist():
-            sel = (expert == e).nonzero().squeeze(-1)
-            h = self._swiglu(F.linear(x[token[sel]], self.w13_weight[e]))
-            y[sel] = F.linear(h, self.w2_weight[e])
-        return y
+    def _run(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows ``xs: [A, D]`` sorted by expert, ``counts[e]`` of them for expert ``e`` -> ``[A, D]``."""
+        runs, start = [], 0
+        for e, c in enumerate(counts):
+            if c:
+                runs.append((e, slice(start, start + c)))
+                start += c
+        h = [self._linear(e, 0)(xs[rows]) for e, rows in runs]
+        h = self._swiglu(h[0] if len(h) == 1 else torch.cat(h))
+        y = [self._linear(e, 1)(h[rows]) for e, rows in runs]
+        return y[0] if len(y) == 1 else torch.cat(y)
 
-    def _grouped(self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """All experts as one padded batched GEMM: assignments gathered into ``[E, C_max, D]``."""
-        counts = torch.bincount(expert, minlength=self.local_experts)
-        order = torch.argsort(expert, stable=True)
-        start = torch.cumsum(counts, 0) - counts
-        slot = torch.empty_like(order)
-        slot[order] = torch.arange(order.shape[0], device=x.device) - start[expert[order]]
-        xin = x.new_zeros(self.local_experts, int(counts.max()), x.shape[-1])
-        xin[expert, slot] = x[token]
-        h = self._swiglu(torch.bmm(xin, self.w13_weight.transpose(1, 2)))
-        return torch.bmm(h, self.w2_weight.transpose(1, 2))[expert, slot]

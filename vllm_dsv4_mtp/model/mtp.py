@@ -45,6 +45,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from vllm_dsv4_mtp import draft_policy
 from vllm_dsv4_mtp.config import DeepseekV4Spec
+from vllm_dsv4_mtp.model.cpu_linear import pack_weights
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.norm import rms_norm
@@ -219,8 +220,10 @@ class DeepSeekV4MTPModel(nn.Module):
         the checkpoint and the tensor (:class:`vllm_dsv4_mtp.weights.loader.CheckpointLoader`).
         """
         spec = self.spec
-        return CheckpointLoader(
+        loaded = CheckpointLoader(
             self, spec, scope=DRAFT, dtype=self.dtype, source=self.source, admit=self.plan.admit,
             param_for=lambda name: draft_param(name, num_hidden_layers=spec.num_hidden_layers,
                                                num_mtp_layers=spec.num_nextn_predict_layers, layout=PORTABLE),
         ).load(weights)
+        pack_weights(self)
+        return loaded

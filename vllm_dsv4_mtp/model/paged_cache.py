@@ -70,8 +70,11 @@ def layer_row_width(compress_ratio: int, head_dim: int, index_head_dim: int) -> 
 
 
 def cache_row_width(compress_ratios: list[int], head_dim: int, index_head_dim: int) -> int:
-    """The common row width of every layer of the model (and of its MTP draft)."""
-    return max(layer_row_width(r, head_dim, index_head_dim) for r in [0, *compress_ratios])
+    """The common row width of every layer of the model (and of its MTP draft), a multiple of ``head_dim``:
+    the cache is then also a table of ``head_dim``-wide pieces, so a window's keys and the entries it attends
+    (different channels of different rows) come out of one gather (:meth:`PagedRowCache.piece_index`)."""
+    width = max(layer_row_width(r, head_dim, index_head_dim) for r in [0, *compress_ratios])
+    return -(-width // head_dim) * head_dim
 
 
 def entry_channels(compress_ratio: int, head_dim: int, index_head_dim: int) -> dict[str, int]:
@@ -209,6 +212,18 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
         """Channels ``[start, start + width)`` of the rows at ``slots: [...]`` -> ``[..., width]``."""
         flat = self._flat()[:, start : start + width]
         return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, width)
+
+    def piece_index(self, slots: torch.Tensor, start: int, width: int) -> torch.Tensor:
+        """Index of channels ``[start, start + width)`` of the rows at ``slots`` in the cache viewed as
+        ``width``-wide pieces (:meth:`gather_pieces`); ``start`` and the cache width are multiples of ``width``."""
+        if start % width or self.cache_width % width:
+            raise ValueError(f"{self.layer_name}: channels {start}..{start + width} are not a {width}-wide piece "
+                             f"of the {self.cache_width}-wide cache rows")
+        return slots * (self.cache_width // width) + start // width
+
+    def gather_pieces(self, index: torch.Tensor, width: int) -> torch.Tensor:
+        """The ``width``-wide pieces at ``index: [...]`` (:meth:`piece_index`) -> ``[..., width]``."""
+        return self.kv_cache.view(-1, width).index_select(0, index.reshape(-1)).view(*index.shape, width)
 
     def put(self, slots: torch.Tensor, start: int, values: torch.Tensor) -> None:
         """Store ``values: [M, w]`` into channels ``[start, start + w)`` of the rows at ``slots: [M]``."""

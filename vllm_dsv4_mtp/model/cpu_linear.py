@@ -1,0 +1,43 @@
+"""vLLM's CPU GEMM dispatch for the model's matrices that are not vLLM linear layers (expert and group slices).
+
+vLLM's own linears on CPU go through ``dispatch_cpu_unquantized_gemm`` once loaded: a prepacked AMX kernel
+where the CPU has one, else oneDNN or torch. The routed experts (``[E, N, K]``) and the grouped ``wo_a``
+(``[G, N, K]``) are batched parameters, whose batched bf16 matmuls cost 40-70 us a call on the CPUs measured
+against about 10 us for one packed slice; :func:`pack_weights` gives their modules one dispatched linear per
+slice after loading. Packing keeps the parameters (the packed copies add their bytes once more on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def cpu_linear(weight: torch.Tensor) -> Linear:
+    """``x -> x @ weight.T`` for ``weight: [N, K]`` on CPU, through vLLM's CPU GEMM dispatch."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    holder = nn.Module()
+    holder.weight = weight
+    dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
+    return lambda x: holder.cpu_linear(x, weight, None)
+
+
+def slice_linears(weight: torch.Tensor) -> list[Linear]:
+    """One linear per slice ``weight[i]: [N, K]`` of ``weight: [S, N, K]``: dispatched on CPU, else ``F.linear``."""
+    if weight.device.type != "cpu":
+        return [lambda x, w=w: F.linear(x, w) for w in weight]
+    return [cpu_linear(w) for w in weight.data]
+
+
+def pack_weights(model: nn.Module) -> None:
+    """Call ``pack()`` on every module of ``model`` that has one (once its weights are loaded)."""
+    for m in model.modules():
+        pack = getattr(m, "pack", None)
+        if callable(pack) and m is not model:
+            pack()

@@ -259,10 +259,10 @@ class DeepseekV4Attention(nn.Module):
         o = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(b * s, *q.shape[1:])
         return o if md.output_index is None else o.index_select(0, md.output_index)
 
-    def _shared_keys(self, md) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _shared_keys(self, md) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys every query of a segment may see: the window and (C128-style layers) every complete entry, as
-        one cache-piece index ``[n_seg, K]`` (one gather reads both), their mask ``hidden [n_seg, S, K]``
-        bool and its additive form; the same for every layer of this kind, so made once per step."""
+        one cache-piece index ``[n_seg, K]`` (one gather reads both) and their additive mask ``[n_seg, S, K]``;
+        the same for every layer of this kind, so made once per step."""
         key = ("shared_keys", self.window, 0 if self.indexer is not None else self.compress_ratio)
         if key not in md.memo:
             d, ch = self.head_dim, self.channels
@@ -272,15 +272,14 @@ class DeepseekV4Attention(nn.Module):
             if ent is not None and ent.count:
                 index.append(self.cache.piece_index(ent.slots, ch["entry"], d))
                 hidden.append(ent.hidden)
-            index, hidden = torch.cat(index, dim=1), torch.cat(hidden, dim=-1)
-            md.memo[key] = (index, hidden, additive_mask(hidden, self.cache.dtype))
+            md.memo[key] = (torch.cat(index, dim=1), additive_mask(torch.cat(hidden, dim=-1), self.cache.dtype))
         return md.memo[key]
 
     def _attend_group(self, md, seg: slice, q: torch.Tensor, iq: torch.Tensor | None,
                       iw: torch.Tensor | None) -> torch.Tensor:
         """One group of segments: ``q: [B, S, H_local, d]`` -> ``[B, S, H_local, d]``."""
         d, ch = self.head_dim, self.channels
-        index, hidden, mask = (t[seg] for t in self._shared_keys(md))
+        index, mask = (t[seg] for t in self._shared_keys(md))
         per_query = None
         ent = md.entries(self.compress_ratio) if self.indexer is not None else None
         if ent is not None and ent.count:  # C4: each query's indexer picks among the complete entries

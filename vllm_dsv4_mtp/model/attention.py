@@ -40,7 +40,7 @@ from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entr
 from vllm_dsv4_mtp.model.rope import layer_rope
 from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
 
-# the intermediates of one group of segments (scores, gathered keys) stay below this many elements
+# the intermediates of one group of segments (masks, gathered keys, indexer scores) stay below this many elements
 GROUP_BUDGET = 1 << 23
 
 

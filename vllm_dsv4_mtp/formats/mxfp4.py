@@ -97,25 +97,32 @@ def _check_last_dim(x: torch.Tensor, group_size: int) -> None:
 def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
     """Raw E8M0 bytes ``[...]`` (uint8 / int8 / float8_e8m0fnu) -> float32 ``2**(byte - 127)``; 255 -> NaN."""
     b = _scale_bytes(scales).to(torch.int32)
+    return _byte_value_bits(b).view(torch.float32).masked_fill(b == E8M0_NAN, float("nan"))
+
+
+def _byte_value_bits(byte: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes as int32 -> the float32 bit patterns of ``2**(byte - 127)``."""
     # byte 0 is 2**-127, a float32 subnormal (bit 22); every other byte is a plain biased exponent.
-    bits = torch.where(b == 0, torch.full_like(b, 1 << 22), b << 23)
-    return bits.view(torch.float32).masked_fill(b == E8M0_NAN, float("nan"))
+    return torch.where(byte == 0, 1 << 22, byte << 23)
+
+
+def _even_rule_byte(a: torch.Tensor) -> torch.Tensor:
+    """Float32 block amax ``[...]`` -> the int32 scale byte of Quark's "even" rule, zero and NaN blocks aside.
+
+    ``byte = clamp(E - 2, 0, 252)`` with ``E`` the biased float32 exponent of ``bits(amax) + 2**21``: an amax
+    whose significand is >= 1.75 moves up one binade. An amax that is inf, or rounds up to inf (``E == 255``),
+    has log2 = inf, clamped to exponent 127: byte 254, so byte 253 is never produced (finite roundings top out
+    at 2**127 -> 125 -> byte 252). In int32 only NaN bit patterns can wrap; callers mask NaN blocks.
+    """
+    rounded_exp = (a.view(torch.int32) + (1 << 21)) >> 23  # amax >= 0, so the sign bit is clear
+    return (rounded_exp - _E2M1_EMAX).clamp_(0, 252).masked_fill_(rounded_exp >= 255, 254)
 
 
 def e8m0_scale_even(amax: torch.Tensor) -> torch.Tensor:
-    """Block amax ``[...]`` (float, >= 0 or NaN) -> E8M0 scale byte ``[...]`` uint8 by Quark's "even" rule.
-
-    ``byte = clamp(E - 2, 0, 252)`` with ``E`` the biased float32 exponent of ``bits(amax) + 2**21``: an amax
-    whose significand is >= 1.75 moves up one binade. If that reaches inf (``E == 255``) the byte is 254.
-    Zero amax -> :data:`E8M0_ZERO_BLOCK`; NaN -> 255.
-    """
+    """Block amax ``[...]`` (float, >= 0 or NaN) -> E8M0 scale byte ``[...]`` uint8 by Quark's "even" rule
+    (:func:`_even_rule_byte`); zero amax -> :data:`E8M0_ZERO_BLOCK`; NaN -> 255."""
     a = amax.to(torch.float32)
-    bits = a.view(torch.int32).to(torch.int64)  # int64: NaN bit patterns + 2**21 must not wrap
-    rounded_exp = (bits + (1 << 21)) >> 23  # amax >= 0, so the sign bit is clear
-    byte = (rounded_exp - _E2M1_EMAX).clamp_(0, 252)
-    # An amax that is inf, or rounds up to inf, has log2 = inf, clamped to exponent 127: byte 254, so byte 253
-    # is never produced (finite roundings top out at 2**127 -> 125 -> byte 252).
-    byte = byte.masked_fill(rounded_exp >= 255, 254).to(torch.uint8)
+    byte = _even_rule_byte(a).to(torch.uint8)
     byte = byte.masked_fill(a == 0, E8M0_ZERO_BLOCK)
     return byte.masked_fill(torch.isnan(a), E8M0_NAN)
 
@@ -219,10 +226,7 @@ def _even_scale(amax: torch.Tensor) -> torch.Tensor:
     """Block amax float32 ``[...]`` (>= 0 or NaN) -> its E8M0 scale as float32, the value of
     ``e8m0_to_float(e8m0_scale_even(amax))`` except for all-zero blocks (``2**-127`` here, not the exporter's
     byte 1: either way every element rounds to +0.0)."""
-    # int32 suffices: only NaN bit patterns can wrap, and NaN blocks are masked at the end
-    e = (amax.view(torch.int32) + (1 << 21)) >> 23
-    byte = (e - _E2M1_EMAX).clamp_(0, 252).masked_fill_(e >= 255, 254)
-    bits = torch.where(byte == 0, 1 << 22, byte << 23)  # byte 0 is 2**-127, a float32 subnormal
+    bits = _byte_value_bits(_even_rule_byte(amax))
     return bits.view(torch.float32).masked_fill_(amax.isnan(), float("nan"))
 
 

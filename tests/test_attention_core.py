@@ -224,9 +224,9 @@ def test_duplicate_layer_name_is_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3, 64])
-def test_grouped_wo_a_per_group_linears_equal_the_batched_matmul(dtype, tokens):
-    """After pack() ``wo_a`` runs one dispatched linear per group on strided group slices of its input; the
-    result is the block-diagonal product the unpacked batched matmul computes."""
+def test_grouped_wo_a_is_the_block_diagonal_product_packed_or_not(dtype, tokens):
+    """``wo_a`` runs one linear per group on strided group slices of its input (after pack() through vLLM's
+    CPU GEMM dispatch, before through F.linear); either way the result is the block-diagonal product."""
     from vllm_dsv4_mtp.model.attention import GroupedLinear
 
     g = torch.Generator().manual_seed(0)
@@ -234,12 +234,12 @@ def test_grouped_wo_a_per_group_linears_equal_the_batched_matmul(dtype, tokens):
     wo_a.weight.data.copy_(torch.randn(128, 256, generator=g) * 0.05)
     wo_a.to(dtype)
     o = torch.randn(tokens, 2, 256, generator=g).to(dtype)
-    batched = wo_a(o)
+    unpacked = wo_a(o)
     wo_a.pack()
     packed = wo_a(o)
     blocks = torch.block_diag(*wo_a.weight.detach().double().view(2, 64, 256))
     exact = o.double().flatten(1) @ blocks.T
-    assert packed.shape == batched.shape == (tokens, 128)
+    assert packed.shape == unpacked.shape == (tokens, 128)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for got in (batched, packed):
+    for got in (unpacked, packed):
         torch.testing.assert_close(got.double(), exact, atol=tol * exact.abs().max().item(), rtol=0)

@@ -33,7 +33,7 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.model.compressor import Compressor
-from vllm_dsv4_mtp.model.cpu_linear import Linear, slice_linears
+from vllm_dsv4_mtp.model.cpu_linear import Linear, plain_linears, slice_linears
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
 from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entry_channels, layer_row_width
@@ -47,9 +47,9 @@ GROUP_BUDGET = 1 << 23
 class GroupedLinear(nn.Module):
     """Block-diagonal ``wo_a``: group ``g`` maps its ``(H/G) d`` inputs to ``o_lora`` outputs.
 
-    ``weight: [G_local * o_lora, (H/G) d]`` (native ``wo_a.weight`` rows of this rank's groups); applied per
-    group (after :meth:`pack`, through vLLM's CPU GEMM dispatch, ``model/cpu_linear.py``; before, as one
-    batched matmul), so it is a plain parameter rather than a vLLM linear layer.
+    ``weight: [G_local * o_lora, (H/G) d]`` (native ``wo_a.weight`` rows of this rank's groups); applied one
+    group at a time (after :meth:`pack` through vLLM's CPU GEMM dispatch, ``model/cpu_linear.py``), so it is a
+    plain parameter rather than a vLLM linear layer.
     """
 
     def __init__(self, in_per_group: int, out_per_group: int, n_groups: int, n_local_groups: int):
@@ -78,10 +78,8 @@ class GroupedLinear(nn.Module):
 
     def forward(self, o: torch.Tensor) -> torch.Tensor:
         """``o: [T, G_local, (H/G) d]`` -> ``[T, G_local * o_lora]`` (groups side by side)."""
-        if self._linears is None:
-            w = self._grouped_weight()
-            return torch.bmm(o.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)
-        out = [lin(o[:, g]) for g, lin in enumerate(self._linears)]
+        linears = self._linears if self._linears is not None else plain_linears(self._grouped_weight())
+        out = [lin(o[:, g]) for g, lin in enumerate(linears)]
         return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
 
 

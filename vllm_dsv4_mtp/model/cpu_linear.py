@@ -28,10 +28,15 @@ def cpu_linear(weight: torch.Tensor) -> Linear:
     return lambda x: holder.cpu_linear(x, weight, None)
 
 
+def plain_linears(weight: torch.Tensor) -> list[Linear]:
+    """One ``F.linear`` per slice ``weight[i]: [N, K]`` of ``weight: [S, N, K]`` (before packing, off CPU)."""
+    return [lambda x, w=w: F.linear(x, w) for w in weight]
+
+
 def slice_linears(weight: torch.Tensor) -> list[Linear]:
     """One linear per slice ``weight[i]: [N, K]`` of ``weight: [S, N, K]``: dispatched on CPU, else ``F.linear``."""
     if weight.device.type != "cpu":
-        return [lambda x, w=w: F.linear(x, w) for w in weight]
+        return plain_linears(weight)
     return [cpu_linear(w) for w in weight.data]
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.model.cpu_linear import Linear, slice_linears
+from vllm_dsv4_mtp.model.cpu_linear import Linear, plain_linears, slice_linears
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -104,11 +104,6 @@ class PortableExperts(nn.Module):
         """After loading: each expert's ``w13`` and ``w2`` as a linear of its own (``model/cpu_linear.py``)."""
         self._linears = list(zip(slice_linears(self.w13_weight), slice_linears(self.w2_weight)))
 
-    def _linear(self, e: int, which: int) -> Linear:
-        if self._linears is not None:
-            return self._linears[e][which]
-        w = (self.w13_weight, self.w2_weight)[which][e]
-        return lambda x: F.linear(x, w)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 x_rounded: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,8 +134,10 @@ class PortableExperts(nn.Module):
             if c:
                 runs.append((e, slice(start, start + c)))
                 start += c
-        h = [self._linear(e, 0)(xs[rows]) for e, rows in runs]
+        linears = self._linears if self._linears is not None else list(
+            zip(plain_linears(self.w13_weight), plain_linears(self.w2_weight)))
+        h = [linears[e][0](xs[rows]) for e, rows in runs]
         h = self._swiglu(h[0] if len(h) == 1 else torch.cat(h))
-        y = [self._linear(e, 1)(h[rows]) for e, rows in runs]
+        y = [linears[e][1](h[rows]) for e, rows in runs]
         return y[0] if len(y) == 1 else torch.cat(y)
 

@@ -39,6 +39,12 @@ FP8_BLOCK = 128
 MX_GROUP = 32
 
 
+def blocks_per_entry(compress_ratio: int) -> int:
+    """Blocks one compressed entry pools: 2 for the overlapping ratio (the previous block's rows and its own),
+    else 1; also the channel multiplier of that compressor's ``wkv`` / ``wgate`` projections."""
+    return 2 if compress_ratio == OVERLAP_RATIO else 1
+
+
 class ConfigError(ValueError):
     """A DeepSeek-V4 ``config.json`` is malformed; the message names the file and the field."""
 
@@ -375,7 +381,7 @@ class DeepseekV4Spec:
 
     def compressor_blocks_per_entry(self, layer_id: int) -> int:
         """Channel multiplier of the compressor projections: 2 when overlapping, else 1."""
-        return 2 if self.is_overlapping(layer_id) else 1
+        return blocks_per_entry(self.compress_ratio(layer_id))
 
     def is_hash_layer(self, layer_id: int) -> bool:
         """Hash-routed MoE (``gate.tid2eid``, no bias): the first ``num_hash_layers`` main layers; never MTP."""

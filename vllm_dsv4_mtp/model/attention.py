@@ -32,6 +32,7 @@ from vllm.model_executor.layers.linear import (
 )
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
+from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
 from vllm_dsv4_mtp.model.compressor import Compressor
 from vllm_dsv4_mtp.model.cpu_linear import Linear, plain_linears, slice_linears
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
@@ -158,7 +159,7 @@ class DeepseekV4Attention(nn.Module):
                 self.hidden_size, spec.q_lora_rank, spec.index_n_heads, spec.index_head_dim,
                 spec.index_topk, self.eps, prefix=f"{prefix}.indexer",
             )
-            if self.compress_ratio == 4
+            if self.compress_ratio == OVERLAP_RATIO
             else None
         )
 

@@ -24,18 +24,20 @@ from torch import nn
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
+from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO, blocks_per_entry
 from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
 
 def pool_gathered(
-    kv_gate: torch.Tensor, valid: torch.Tensor, ape: torch.Tensor, *, ratio: int, head_dim: int, overlap: bool
+    kv_gate: torch.Tensor, valid: torch.Tensor, ape: torch.Tensor, *, ratio: int, head_dim: int
 ) -> torch.Tensor:
     """Gated pooling of ``M`` completed blocks from their gathered rows (before norm and rope).
 
     Args:
         kv_gate: ``[M, span, 2 * blocks_per_entry * head_dim]`` per-token ``[c | z]`` rows ending at each
-            block's last token (``span = blocks_per_entry * ratio``: with overlap, the previous block's rows then the block's own).
+            block's last token (``span = blocks_per_entry * ratio``: with overlap, the previous block's rows
+            then the block's own).
         valid: ``[M, span, 1]`` bool, False for rows before position 0 (block 0's previous half).
         ape: ``[ratio, blocks_per_entry * head_dim]`` float32 position bias added to ``z``.
 
@@ -43,9 +45,9 @@ def pool_gathered(
         ``[M, head_dim]`` pooled entries in ``kv_gate.dtype`` (softmax weights in float32, cast to the activation
         dtype before the weighted sum, as the reference does).
     """
-    width = (2 if overlap else 1) * head_dim
+    width = blocks_per_entry(ratio) * head_dim
     c, z = kv_gate[..., :width], kv_gate[..., width:].float()
-    if overlap:
+    if ratio == OVERLAP_RATIO:
         # rows [0, ratio): previous block, first half of the channels; rows [ratio, 2 ratio): this block,
         # second half; ape by the row's place in its own block
         c = torch.cat([c[:, :ratio, :head_dim], c[:, ratio:, head_dim:]], dim=1)
@@ -67,15 +69,14 @@ class Compressor(nn.Module):
         super().__init__()
         self.ratio = ratio
         self.head_dim = head_dim
-        self.overlap = ratio == 4
-        blocks_per_entry = 2 if self.overlap else 1
-        self.row_width = 2 * blocks_per_entry * head_dim  # [c | z] per token
+        self.blocks_per_entry = blocks_per_entry(ratio)
+        width = self.blocks_per_entry * head_dim
+        self.row_width = 2 * width  # [c | z] per token
         self.fused_wkv_wgate = MergedColumnParallelLinear(
-            hidden_size, [blocks_per_entry * head_dim, blocks_per_entry * head_dim], bias=False, quant_config=None,
+            hidden_size, [width, width], bias=False, quant_config=None,
             prefix=f"{prefix}.fused_wkv_wgate", disable_tp=True, return_bias=False,
         )
-        self.ape = nn.Parameter(torch.empty(ratio, blocks_per_entry * head_dim, dtype=torch.float32),
-                                requires_grad=False)
+        self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32), requires_grad=False)
         self.norm = RMSNorm(head_dim, eps=norm_eps)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,11 +89,10 @@ class Compressor(nn.Module):
         ``md``: the step's ``PortableAttentionMetadata``; ``cache``: the layer's ``PagedRowCache`` (this step's
         rows already written); the rows' ``[c | z]`` start at ``kv_gate_channel``, entries go to ``entry_channel``.
         """
-        done = md.completions(self.ratio, (2 if self.overlap else 1) * self.ratio)
+        done = md.completions(self.ratio, self.blocks_per_entry * self.ratio)
         if done is None:
             return
         rows = cache.gather(done.row_slots, kv_gate_channel, self.row_width)  # [M, span, row_width]
-        pooled = pool_gathered(rows, done.row_valid, self.ape, ratio=self.ratio, head_dim=self.head_dim,
-                               overlap=self.overlap)
+        pooled = pool_gathered(rows, done.row_valid, self.ape, ratio=self.ratio, head_dim=self.head_dim)
         rot = rope.step_rotation(md.memo, f"blocks{self.ratio}", done.block_pos)
         cache.put(done.dst, entry_channel, rope.apply_(rms_norm(pooled, self.norm), rot))

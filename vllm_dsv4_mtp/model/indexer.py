@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from vllm.model_executor.layers.linear import ReplicatedLinear
 
+from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
 from vllm_dsv4_mtp.model.compressor import Compressor
 from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
@@ -61,7 +62,7 @@ class Indexer(nn.Module):
         self.n_heads = n_heads
         self.head_dim = head_dim
         self.topk = topk
-        self.ratio = 4
+        self.ratio = OVERLAP_RATIO
         self.wq_b = ReplicatedLinear(
             q_lora_rank, n_heads * head_dim, bias=False, quant_config=None, prefix=f"{prefix}.wq_b", return_bias=False
         )

@@ -53,6 +53,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO, blocks_per_entry
 from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
 
 PORTABLE_BACKEND_NAME = "DSV4_MTP_PORTABLE"
@@ -62,9 +63,8 @@ def layer_row_width(compress_ratio: int, head_dim: int, index_head_dim: int) -> 
     """Channels of a layer's cache row: ``kv`` + compressor ``[c | z]`` + (C4) indexer ``[c | z]``."""
     width = head_dim
     if compress_ratio > 1:
-        blocks_per_entry = 2 if compress_ratio == 4 else 1
-        width += 2 * blocks_per_entry * head_dim
-    if compress_ratio == 4:
+        width += 2 * blocks_per_entry(compress_ratio) * head_dim
+    if compress_ratio == OVERLAP_RATIO:
         width += 2 * 2 * index_head_dim
     return width
 
@@ -86,8 +86,8 @@ def entry_channels(compress_ratio: int, head_dim: int, index_head_dim: int) -> d
     out = {"kv": 0}
     if compress_ratio > 1:
         out["kv_gate"] = d
-        out["entry"] = 2 * d if compress_ratio == 4 else d  # C4: c[d:2d]; otherwise c[0:d]
-    if compress_ratio == 4:
+        out["entry"] = blocks_per_entry(compress_ratio) * d  # C4: c[d:2d]; otherwise c[0:d]
+    if compress_ratio == OVERLAP_RATIO:
         out["index_kv_gate"] = 5 * d
         out["ikey"] = 5 * d + di  # c_I[dI:2dI]
     return out

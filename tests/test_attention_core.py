@@ -58,7 +58,7 @@ def _vllm_config(block_size, dtype=torch.float32, ctx=None):
 
 def _core(cache_width=8, block_size=4, num_blocks=12):
     vc = _vllm_config(block_size)
-    core = ac.PagedRowCache(row_width=6, cache_width=cache_width, prefix="model.layers.0.attn", vllm_config=vc)
+    core = ac.PagedRowCache(row_width=6, cache_width=cache_width, piece_width=4, prefix="model.layers.0.attn", vllm_config=vc)
     assert vc.compilation_config.static_forward_context["model.layers.0.attn"] is core
     spec = core.get_kv_cache_spec(vc)
     assert (spec.num_kv_heads, spec.head_size, spec.head_size_v, spec.block_size) == (1, cache_width, 0, block_size)
@@ -208,18 +208,44 @@ def test_segment_groups_bound_the_intermediates():
     assert md.segment_groups(10_000, 1000) == [(0, 1), (1, 2), (2, 3)]  # at least one segment per group
 
 
+def test_row_channels_round_trip_through_the_piece_major_blocks():
+    """Rows written, entries put across a piece boundary, and pieces gathered by index all address the same
+    channels of the same slot; piece 0 of a block's rows is one contiguous run (what the window gathers read)."""
+    st = _Steps()
+    st.step([(0, 6), (1, 3), (3, 13)])
+    core, bs = st.core, st.bs
+    slots = torch.tensor([[7 * bs + 1, 2 * bs + 1], [4 * bs + 2, 10 * bs + 3]])  # request 0 pos 1 / 5, 1 pos 2, 3 pos 3
+    want = [(0, 1), (0, 5), (1, 2), (3, 3)]
+    rows = core.gather(slots, 0, 6).view(4, 6)
+    assert [(int(r[0]), int(r[1])) for r in rows] == want
+    assert torch.equal(rows[:, 2], torch.tensor([1000.0 * r + p for r, p in want]))
+    # channels 3..5 span the two 4-wide pieces
+    core.put(slots.reshape(-1), 3, torch.tensor([[-1.0, -2.0, -3.0]] * 4))
+    assert torch.equal(core.gather(slots, 2, 4).view(4, 4)[:, 1:],
+                       torch.tensor([[-1.0, -2.0, -3.0]] * 4))
+    assert torch.equal(core.gather(slots, 0, 3).view(4, 3), rows[:, :3])  # neighbours untouched
+    for start in (0, 4):
+        assert torch.equal(core.gather_pieces(core.piece_index(slots, start)), core.gather(slots, start, 4))
+    with pytest.raises(ValueError, match="channel 2 does not start a 4-wide piece"):
+        core.piece_index(slots, 2)
+    with pytest.raises(ValueError, match="channels 6..10 are outside the 8-wide cache rows"):
+        core.gather(slots, 6, 4)
+    block7 = core.kv_cache[7, 0].reshape(-1)  # request 0's first block, positions 0..3
+    assert torch.equal(block7[: 4 * 4].view(4, 4)[:, :2], torch.tensor([[0.0, p] for p in range(4)]))
+
+
 def test_kv_cache_dtype_other_than_model_dtype_is_refused():
     vc = _vllm_config(16, dtype=torch.bfloat16)
     vc.cache_config.cache_dtype = "fp8"
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported by the portable DeepSeek-V4"):
-        ac.PagedRowCache(row_width=6, cache_width=8, prefix="model.layers.0.attn", vllm_config=vc)
+        ac.PagedRowCache(row_width=6, cache_width=8, piece_width=4, prefix="model.layers.0.attn", vllm_config=vc)
 
 
 def test_duplicate_layer_name_is_refused():
     core = _core()
     vc = _vllm_config(4, ctx={"model.layers.0.attn": core})
     with pytest.raises(ValueError, match="Duplicate attention layer name 'model.layers.0.attn'"):
-        ac.PagedRowCache(row_width=6, cache_width=8, prefix="model.layers.0.attn", vllm_config=vc)
+        ac.PagedRowCache(row_width=6, cache_width=8, piece_width=4, prefix="model.layers.0.attn", vllm_config=vc)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

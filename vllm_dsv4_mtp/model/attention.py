@@ -116,6 +116,7 @@ class DeepseekV4Attention(nn.Module):
         self.cache = PagedRowCache(
             row_width=self.row_width,
             cache_width=cache_row_width(ratios, self.head_dim, spec.index_head_dim),
+            piece_width=self.head_dim,
             prefix=prefix,
             vllm_config=vllm_config,
         )
@@ -264,12 +265,12 @@ class DeepseekV4Attention(nn.Module):
         the same for every layer of this kind, so made once per step."""
         key = ("shared_keys", self.window, 0 if self.indexer is not None else self.compress_ratio)
         if key not in md.memo:
-            d, ch = self.head_dim, self.channels
+            ch = self.channels
             win = md.window(self.window)
-            index, hidden = [self.cache.piece_index(win.slots, ch["kv"], d)], [win.hidden]
+            index, hidden = [self.cache.piece_index(win.slots, ch["kv"])], [win.hidden]
             ent = md.entries(self.compress_ratio) if self.compress_ratio and self.indexer is None else None
             if ent is not None and ent.count:
-                index.append(self.cache.piece_index(ent.slots, ch["entry"], d))
+                index.append(self.cache.piece_index(ent.slots, ch["entry"]))
                 hidden.append(ent.hidden)
             md.memo[key] = (torch.cat(index, dim=1), additive_mask(torch.cat(hidden, dim=-1), self.cache.dtype))
         return md.memo[key]
@@ -277,7 +278,7 @@ class DeepseekV4Attention(nn.Module):
     def _attend_group(self, md, seg: slice, q: torch.Tensor, iq: torch.Tensor | None,
                       iw: torch.Tensor | None) -> torch.Tensor:
         """One group of segments: ``q: [B, S, H_local, d]`` -> ``[B, S, H_local, d]``."""
-        d, ch = self.head_dim, self.channels
+        ch = self.channels
         index, mask = (t[seg] for t in self._shared_keys(md))
         per_query = None
         ent = md.entries(self.compress_ratio) if self.indexer is not None else None
@@ -287,11 +288,11 @@ class DeepseekV4Attention(nn.Module):
             picks, unseen = indexer_topk(iq, iw, index_keys, ent.hidden[seg], ent.limit[seg],
                                          topk=self.indexer.topk)
             bsz, s, k = picks.shape
-            picked = self.cache.piece_index(torch.gather(slots, 1, picks.reshape(bsz, s * k)), ch["entry"], d)
+            picked = self.cache.piece_index(torch.gather(slots, 1, picks.reshape(bsz, s * k)), ch["entry"])
             if s == 1:  # a decode's picks are its segment's own: one key set, one gather
                 index = torch.cat([index, picked], dim=1)
                 mask = torch.cat([mask, additive_mask(unseen, mask.dtype)], dim=-1)
             else:
-                per_query = (self.cache.gather_pieces(picked.view(bsz, s, k), d), unseen)
-        keys = self.cache.gather_pieces(index, d)
+                per_query = (self.cache.gather_pieces(picked.view(bsz, s, k)), unseen)
+        keys = self.cache.gather_pieces(index)
         return sink_attention(q, (keys, mask), per_query, self.attn_sink, self.scale)

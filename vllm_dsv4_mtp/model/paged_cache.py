@@ -148,13 +148,18 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
     """One layer's rows in vLLM's paged KV cache; registers itself as an attention layer under ``prefix``.
 
     ``prefix`` (e.g. ``model.layers.3.attn``) must hold exactly one integer: vLLM orders caches by it. The
-    bound cache is ``[num_blocks, 1, block_size, cache_width]``; slot ``s`` is row ``s`` of its flat view.
+    bound cache is ``[num_blocks, 1, block_size, cache_width]``; slot ``s`` is row ``s % block_size`` of block
+    ``s // block_size``, stored as ``cache_width / piece_width`` pieces (see "Layout" below).
     """
 
-    def __init__(self, *, row_width: int, cache_width: int, prefix: str, vllm_config: VllmConfig):
+    def __init__(self, *, row_width: int, cache_width: int, piece_width: int, prefix: str,
+                 vllm_config: VllmConfig):
         super().__init__()
         if row_width > cache_width:
             raise ValueError(f"{prefix}: row width {row_width} exceeds the cache row width {cache_width}")
+        if cache_width % piece_width:
+            raise ValueError(f"{prefix}: cache row width {cache_width} is not a multiple of the piece width "
+                             f"{piece_width}")
         cache_dtype = vllm_config.cache_config.cache_dtype
         if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(
@@ -163,6 +168,8 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
             )
         self.row_width = row_width
         self.cache_width = cache_width
+        self.piece_width = piece_width
+        self.pieces = cache_width // piece_width
         self.layer_name = prefix
         self.dtype = vllm_config.model_config.dtype
         self.kv_cache = torch.tensor([])
@@ -198,34 +205,75 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
                              f"{self.kv_cache.shape[2]}")
         return md
 
-    def _flat(self) -> torch.Tensor:
-        return self.kv_cache.view(-1, self.cache_width)  # [num_slots, cache_width]
+    # ----------------------------------------------------------------------------------------------
+    # Layout. Inside each block the rows are stored piece-major: the ``piece_width``-wide piece ``p`` of the
+    # block's ``B`` rows is one contiguous ``[B, piece_width]`` run (then piece ``p + 1``...). A window's keys
+    # (piece 0 of consecutive rows) are then a few contiguous runs of memory instead of one short piece per
+    # ``cache_width``-wide row: the gathers of a step stream through memory. vLLM sees opaque blocks.
+
+    def _pieces(self) -> torch.Tensor:
+        return self.kv_cache.view(-1, self.piece_width)  # [num_blocks * pieces * B, piece_width]
+
+    def _piece_base(self, slots: torch.Tensor) -> torch.Tensor:
+        """Index of piece 0 of the rows at ``slots`` in :meth:`_pieces`."""
+        block_size = self.kv_cache.shape[2]
+        return slots + (slots // block_size) * ((self.pieces - 1) * block_size)
+
+    def _spanned(self, start: int, width: int) -> range:
+        """The pieces holding channels ``[start, start + width)``."""
+        if start < 0 or width <= 0 or start + width > self.cache_width:
+            raise ValueError(f"{self.layer_name}: channels {start}..{start + width} are outside the "
+                             f"{self.cache_width}-wide cache rows")
+        return range(start // self.piece_width, (start + width - 1) // self.piece_width + 1)
 
     def write(self, md: PortableAttentionMetadata, rows: torch.Tensor) -> None:
         """Store the step's ``rows: [T, row_width]`` at their slots (padding tokens, slot -1, are dropped)."""
         rows = rows[: md.num_actual_tokens]
         if md.write_index is not None:
             rows = rows.index_select(0, md.write_index)
-        self._flat()[:, : self.row_width].index_copy_(0, md.write_slots, rows.to(self.kv_cache.dtype))
+        n_pieces = -(-self.row_width // self.piece_width)
+        pad = n_pieces * self.piece_width - self.row_width  # channels no part of this layer's row uses
+        rows = rows.to(self.kv_cache.dtype)
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(rows.shape[0], pad)], dim=-1)
+        key = ("write_pieces", self.pieces, self.piece_width, n_pieces)  # the same for every layer of this width
+        if key not in md.memo:
+            md.memo[key] = (self._piece_base(md.write_slots)[:, None] + self._piece_step(n_pieces)).reshape(-1)
+        self._pieces().index_copy_(0, md.memo[key], rows.view(-1, self.piece_width))
+
+    def _piece_step(self, n_pieces: int, first: int = 0) -> torch.Tensor:
+        """Offsets of pieces ``first .. first + n_pieces - 1`` of a row from its piece 0."""
+        return torch.arange(first, first + n_pieces) * self.kv_cache.shape[2]
 
     def gather(self, slots: torch.Tensor, start: int, width: int) -> torch.Tensor:
         """Channels ``[start, start + width)`` of the rows at ``slots: [...]`` -> ``[..., width]``."""
-        flat = self._flat()[:, start : start + width]
-        return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, width)
+        spanned = self._spanned(start, width)
+        base = self._piece_base(slots.reshape(-1))
+        if len(spanned) == 1:  # inside one piece: read only those channels
+            offset = start - spanned[0] * self.piece_width
+            table = self._pieces()[:, offset : offset + width]
+            return table.index_select(0, base + spanned[0] * self.kv_cache.shape[2]).view(*slots.shape, width)
+        index = base[:, None] + self._piece_step(len(spanned), spanned[0])
+        pieces = self._pieces().index_select(0, index.reshape(-1)).view(*slots.shape, -1)
+        return pieces[..., start - spanned[0] * self.piece_width :][..., :width]
 
-    def piece_index(self, slots: torch.Tensor, start: int, width: int) -> torch.Tensor:
-        """Index of channels ``[start, start + width)`` of the rows at ``slots`` in the cache viewed as
-        ``width``-wide pieces (:meth:`gather_pieces`); ``start`` and the cache width are multiples of ``width``."""
-        if start % width or self.cache_width % width:
-            raise ValueError(f"{self.layer_name}: channels {start}..{start + width} are not a {width}-wide piece "
-                             f"of the {self.cache_width}-wide cache rows")
-        return slots * (self.cache_width // width) + start // width
+    def piece_index(self, slots: torch.Tensor, start: int) -> torch.Tensor:
+        """Index of the piece starting at channel ``start`` (a multiple of ``piece_width``) of the rows at
+        ``slots``, for :meth:`gather_pieces`: one gather then reads pieces of different rows and channels."""
+        if start % self.piece_width:
+            raise ValueError(f"{self.layer_name}: channel {start} does not start a {self.piece_width}-wide piece")
+        return self._piece_base(slots) + (start // self.piece_width) * self.kv_cache.shape[2]
 
-    def gather_pieces(self, index: torch.Tensor, width: int) -> torch.Tensor:
-        """The ``width``-wide pieces at ``index: [...]`` (:meth:`piece_index`) -> ``[..., width]``."""
-        return self.kv_cache.view(-1, width).index_select(0, index.reshape(-1)).view(*index.shape, width)
+    def gather_pieces(self, index: torch.Tensor) -> torch.Tensor:
+        """The pieces at ``index: [...]`` (:meth:`piece_index`) -> ``[..., piece_width]``."""
+        return self._pieces().index_select(0, index.reshape(-1)).view(*index.shape, self.piece_width)
 
     def put(self, slots: torch.Tensor, start: int, values: torch.Tensor) -> None:
         """Store ``values: [M, w]`` into channels ``[start, start + w)`` of the rows at ``slots: [M]``."""
-        flat = self._flat()[:, start : start + values.shape[-1]]
-        flat.index_copy_(0, slots, values.to(self.kv_cache.dtype))
+        values = values.to(self.kv_cache.dtype)
+        base = self._piece_base(slots)
+        end = start + values.shape[-1]
+        for p in self._spanned(start, values.shape[-1]):
+            lo, hi = max(start, p * self.piece_width), min(end, (p + 1) * self.piece_width)
+            table = self._pieces()[:, lo - p * self.piece_width : hi - p * self.piece_width]
+            table.index_copy_(0, base + p * self.kv_cache.shape[2], values[:, lo - start : hi - start])

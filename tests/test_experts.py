@@ -90,6 +90,31 @@ def test_packed_experts_compute_what_the_parameters_do(dtype):
         torch.testing.assert_close(packed.float(), plain.float(), atol=tol * plain.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("w4a4", [False, True])
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_shared_expert_in_the_routed_pass_is_bit_identical(dtype, w4a4, expert_parallel):
+    """The MoE hands its shared expert to the routed pass (``dense``) so one SwiGLU and one MXFP4 rounding
+    cover both: the result is bit-identical to the routed sum plus the shared expert computed on its own,
+    including an expert-parallel rank none of whose experts a token hit."""
+    E, D, I = 8, 64, 32
+    tp = dict(tp_rank=1, tp_size=2, expert_parallel=True) if expert_parallel else {}
+    ex = experts.PortableExperts(E, D, I, 10.0, activation_quant=w4a4, dtype=dtype, **tp)
+    _load(ex, _expert_weights(E, D, I, seed=5))
+    ex.pack()
+    g = torch.Generator().manual_seed(6)
+    w13, w2 = (torch.randn(2 * ex.local_intermediate, D, generator=g).to(dtype),
+               torch.randn(D, ex.local_intermediate, generator=g).to(dtype))
+    dense = (lambda v: v @ w13.T, lambda h: h @ w2.T)
+    act = mxfp4.fake_quant if w4a4 else (lambda v: v)
+    for tokens in (1, 7, 50):
+        x = torch.randn(tokens, D, generator=g).to(dtype)
+        ids = torch.randint(0, E // 2 if expert_parallel and tokens == 1 else E, (tokens, 2), generator=g)
+        ws = torch.rand(tokens, 2, generator=g)
+        alone = dense[1](act(experts.swiglu_clamped(*dense[0](act(x)).chunk(2, dim=-1), 10.0)))
+        assert torch.equal(ex(x, ws, ids, dense=dense), ex(x, ws, ids) + alone), tokens
+
+
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_parallel_ranks_sum_to_the_whole(expert_parallel):
     """Rank r of 2 holds half of every expert's intermediate dim (TP) or half of the experts (EP); the ranks'

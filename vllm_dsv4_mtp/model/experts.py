@@ -13,7 +13,8 @@ parallelism instead gives each rank ``E / world`` whole experts. Either way a ra
 the MoE all-reduces.
 
 Dispatch: the step's assignments are sorted by expert once; each hit expert then runs its two GEMMs on its
-contiguous run of rows, the SwiGLU (and the W4A4 rounding) once over all rows. After loading, :meth:`pack`
+contiguous run of rows, the SwiGLU (and the W4A4 rounding) once over all rows, the shared expert's included
+where it has the routed experts' width and rounding (``dense`` in :meth:`PortableExperts.forward`). After loading, :meth:`pack`
 gives each expert's matrices vLLM's CPU GEMM dispatch (``model/cpu_linear.py``).
 """
 
@@ -106,10 +107,13 @@ class PortableExperts(nn.Module):
 
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                x_rounded: torch.Tensor | None = None) -> torch.Tensor:
+                x_rounded: torch.Tensor | None = None, dense: tuple[Linear, Linear] | None = None) -> torch.Tensor:
         """``x: [T, D]``, ``weights: [T, k]`` float32, ``ids: [T, k]`` global expert ids -> ``[T, D]``
         (this rank's partial sum of ``sum_k weights[:, k] * expert_{ids[:, k]}(x)``). ``x_rounded``: ``x``
-        already rounded to MXFP4 (the MoE rounds it once for its routed and shared experts)."""
+        already rounded to MXFP4 (the MoE rounds it once for its routed and shared experts). ``dense``: the
+        ``(w13, w2)`` linears of an expert every token goes through with weight 1 (the shared expert, of this
+        rank's width and rounding), whose SwiGLU and rounding then run with the routed rows': its output is
+        added to the routed sum in ``x.dtype``, as a separate module's would be."""
         t, k = ids.shape
         local = ids.reshape(-1) - self.first_expert
         token = torch.arange(t * k, device=x.device) // k
@@ -118,17 +122,23 @@ class PortableExperts(nn.Module):
             keep = ((local >= 0) & (local < self.local_experts)).nonzero().squeeze(-1)
             local, token, weight = local[keep], token[keep], weight[keep]
         out = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
+        if not local.numel() and dense is None:
+            return out.to(x.dtype)
+        xq = x_rounded if x_rounded is not None else self._act(x)
+        counts = [0] * self.local_experts
         if local.numel():
             order = torch.argsort(local, stable=True)
             token, weight = token[order], weight[order]
             counts = torch.bincount(local, minlength=self.local_experts).tolist()
-            xq = x_rounded if x_rounded is not None else self._act(x)
-            y = self._run(xq[token], counts)
+        y, y_dense = self._run(xq[token], counts, xq if dense is not None else None, dense)
+        if local.numel():
             out.index_add_(0, token, y.float() * weight.unsqueeze(-1))
-        return out.to(x.dtype)
+        return out.to(x.dtype) if y_dense is None else out.to(x.dtype) + y_dense
 
-    def _run(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows ``xs: [A, D]`` sorted by expert, ``counts[e]`` of them for expert ``e`` -> ``[A, D]``."""
+    def _run(self, xs: torch.Tensor, counts: list[int], dense_x: torch.Tensor | None = None,
+             dense: tuple[Linear, Linear] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows ``xs: [A, D]`` sorted by expert, ``counts[e]`` of them for expert ``e`` -> ``([A, D]``, and for
+        ``dense_x: [T, D]`` through ``dense`` ``[T, D]`` or None)."""
         runs, start = [], 0
         for e, c in enumerate(counts):
             if c:
@@ -137,7 +147,9 @@ class PortableExperts(nn.Module):
         linears = self._linears if self._linears is not None else list(
             zip(plain_linears(self.w13_weight), plain_linears(self.w2_weight)))
         h = [linears[e][0](xs[rows]) for e, rows in runs]
+        if dense is not None:
+            h.append(dense[0](dense_x))
         h = self._swiglu(h[0] if len(h) == 1 else torch.cat(h))
         y = [linears[e][1](h[rows]) for e, rows in runs]
-        return y[0] if len(y) == 1 else torch.cat(y)
-
+        y_dense = dense[1](h[start:]) if dense is not None else None
+        return (y[0] if len(y) == 1 else torch.cat(y)) if y else xs[:0], y_dense

@@ -92,6 +92,7 @@ class SharedExpert(nn.Module):
         )
         self.swiglu_limit = swiglu_limit
         self.activation_quant = activation_quant
+        self.local_intermediate = intermediate_size // get_tensor_model_parallel_world_size()
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         return mxfp4.fake_quant(x) if self.activation_quant else x
@@ -135,7 +136,13 @@ class DeepseekV4MoE(nn.Module):
         # under W4A4 both expert kinds round the same input: once
         both = self.experts.activation_quant and self.shared_experts.activation_quant
         x_rounded = mxfp4.fake_quant(x) if both else None
-        out = self.experts(x, weights, ids, x_rounded) + self.shared_experts(x, x_rounded)
+        se, ex = self.shared_experts, self.experts
+        if (se.activation_quant, se.local_intermediate, se.swiglu_limit) == (
+                ex.activation_quant, ex.local_intermediate, ex.swiglu_limit):
+            # the same SwiGLU and rounding: one pass over the routed and the shared rows (fewer small ops)
+            out = ex(x, weights, ids, x_rounded, dense=(se.gate_up_proj, se.down_proj))
+        else:
+            out = ex(x, weights, ids, x_rounded) + se(x, x_rounded)
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

@@ -206,18 +206,29 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
         return md
 
     # ----------------------------------------------------------------------------------------------
-    # Layout. Inside each block the rows are stored piece-major: the ``piece_width``-wide piece ``p`` of the
-    # block's ``B`` rows is one contiguous ``[B, piece_width]`` run (then piece ``p + 1``...). A window's keys
-    # (piece 0 of consecutive rows) are then a few contiguous runs of memory instead of one short piece per
-    # ``cache_width``-wide row: the gathers of a step stream through memory. vLLM sees opaque blocks.
+    # Layout. The cache is a table of ``piece_width``-wide pieces (:meth:`_pieces`); a row is ``pieces`` of
+    # them. Inside each block of ``B`` rows, piece 0 of every row (the latent: the window's keys) comes first,
+    # as one contiguous ``[B, piece_width]`` run, then the rest of each row, row by row. A window's keys are
+    # then a few contiguous runs of memory (the per-step gathers stream), while a row's other channels stay
+    # side by side (its write and the compressor's reads of whole rows too). vLLM sees opaque blocks.
 
     def _pieces(self) -> torch.Tensor:
         return self.kv_cache.view(-1, self.piece_width)  # [num_blocks * pieces * B, piece_width]
 
-    def _piece_base(self, slots: torch.Tensor) -> torch.Tensor:
-        """Index of piece 0 of the rows at ``slots`` in :meth:`_pieces`."""
+    def _index(self, slots: torch.Tensor, first: int, n: int) -> torch.Tensor:
+        """Indices in :meth:`_pieces` of pieces ``first .. first + n - 1`` of the rows at ``slots: [...]`` ->
+        ``[..., n]``."""
         block_size = self.kv_cache.shape[2]
-        return slots + (slots // block_size) * ((self.pieces - 1) * block_size)
+        block_start = torch.div(slots, block_size, rounding_mode="floor") * (self.pieces * block_size)
+        offset = slots % block_size
+        cols = []
+        if first == 0:
+            cols.append((block_start + offset).unsqueeze(-1))
+            first, n = 1, n - 1
+        if n:
+            rest = block_start + offset * (self.pieces - 1) + (block_size + first - 1)
+            cols.append(rest.unsqueeze(-1) + torch.arange(n, device=slots.device))
+        return cols[0] if len(cols) == 1 else torch.cat(cols, dim=-1)
 
     def _spanned(self, start: int, width: int) -> range:
         """The pieces holding channels ``[start, start + width)``."""
@@ -238,31 +249,25 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
             rows = torch.cat([rows, rows.new_zeros(rows.shape[0], pad)], dim=-1)
         key = ("write_pieces", self.pieces, self.piece_width, n_pieces)  # the same for every layer of this width
         if key not in md.memo:
-            md.memo[key] = (self._piece_base(md.write_slots)[:, None] + self._piece_step(n_pieces)).reshape(-1)
+            md.memo[key] = self._index(md.write_slots, 0, n_pieces).reshape(-1)
         self._pieces().index_copy_(0, md.memo[key], rows.view(-1, self.piece_width))
-
-    def _piece_step(self, n_pieces: int, first: int = 0) -> torch.Tensor:
-        """Offsets of pieces ``first .. first + n_pieces - 1`` of a row from its piece 0."""
-        return torch.arange(first, first + n_pieces) * self.kv_cache.shape[2]
 
     def gather(self, slots: torch.Tensor, start: int, width: int) -> torch.Tensor:
         """Channels ``[start, start + width)`` of the rows at ``slots: [...]`` -> ``[..., width]``."""
         spanned = self._spanned(start, width)
-        base = self._piece_base(slots.reshape(-1))
+        index = self._index(slots.reshape(-1), spanned[0], len(spanned)).reshape(-1)
+        skip = start - spanned[0] * self.piece_width
         if len(spanned) == 1:  # inside one piece: read only those channels
-            offset = start - spanned[0] * self.piece_width
-            table = self._pieces()[:, offset : offset + width]
-            return table.index_select(0, base + spanned[0] * self.kv_cache.shape[2]).view(*slots.shape, width)
-        index = base[:, None] + self._piece_step(len(spanned), spanned[0])
-        pieces = self._pieces().index_select(0, index.reshape(-1)).view(*slots.shape, -1)
-        return pieces[..., start - spanned[0] * self.piece_width :][..., :width]
+            return self._pieces()[:, skip : skip + width].index_select(0, index).view(*slots.shape, width)
+        pieces = self._pieces().index_select(0, index).view(*slots.shape, -1)
+        return pieces[..., skip : skip + width]
 
     def piece_index(self, slots: torch.Tensor, start: int) -> torch.Tensor:
         """Index of the piece starting at channel ``start`` (a multiple of ``piece_width``) of the rows at
         ``slots``, for :meth:`gather_pieces`: one gather then reads pieces of different rows and channels."""
         if start % self.piece_width:
             raise ValueError(f"{self.layer_name}: channel {start} does not start a {self.piece_width}-wide piece")
-        return self._piece_base(slots) + (start // self.piece_width) * self.kv_cache.shape[2]
+        return self._index(slots, start // self.piece_width, 1).squeeze(-1)
 
     def gather_pieces(self, index: torch.Tensor) -> torch.Tensor:
         """The pieces at ``index: [...]`` (:meth:`piece_index`) -> ``[..., piece_width]``."""
@@ -271,9 +276,8 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
     def put(self, slots: torch.Tensor, start: int, values: torch.Tensor) -> None:
         """Store ``values: [M, w]`` into channels ``[start, start + w)`` of the rows at ``slots: [M]``."""
         values = values.to(self.kv_cache.dtype)
-        base = self._piece_base(slots)
         end = start + values.shape[-1]
         for p in self._spanned(start, values.shape[-1]):
             lo, hi = max(start, p * self.piece_width), min(end, (p + 1) * self.piece_width)
             table = self._pieces()[:, lo - p * self.piece_width : hi - p * self.piece_width]
-            table.index_copy_(0, base + p * self.kv_cache.shape[2], values[:, lo - start : hi - start])
+            table.index_copy_(0, self._index(slots, p, 1).squeeze(-1), values[:, lo - start : hi - start])

@@ -168,15 +168,24 @@ def test_attention_matches_hf(tmp_path, ratios, lid):
     torch.testing.assert_close(y, y_ref[0], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("union_picks", [None, 0])
 @pytest.mark.usefixtures("vllm_dist")
-def test_attention_chunked_queries_equal_full(tmp_path):
-    """Queries processed in pieces (as chunked prefill / decode do, over rows 0..end) give the same output."""
+def test_attention_chunked_queries_equal_full(tmp_path, monkeypatch, union_picks):
+    """Queries processed in pieces (as chunked prefill, decodes and verify windows do, over rows 0..end) give
+    the same output; decodes and verify windows fold their queries' C4 picks into one key set
+    (``UNION_PICKS``), and the same steps with each query's picks as a set of its own (``union_picks=0``)
+    give it too."""
+    from vllm_dsv4_mtp.model import attention
+
+    if union_picks is not None:
+        monkeypatch.setattr(attention, "UNION_PICKS", union_picks)
     cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=5)
     x = torch.randn(300, cfg["hidden_size"])
     pos = torch.arange(300)
+    chunks = [(0, 37), (37, 200), (200, 201), (201, 202), (202, 205), (205, 209), (209, 300)]
     with torch.no_grad():
         full = _ours_full(mine, x, pos)
-        pieces = _ours_full(mine, x, pos, chunks=[(0, 37), (37, 200), (200, 201), (201, 202), (202, 300)])
+        pieces = _ours_full(mine, x, pos, chunks=chunks)
     torch.testing.assert_close(pieces, full, atol=1e-5, rtol=0)
 
 

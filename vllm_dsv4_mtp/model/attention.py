@@ -43,6 +43,15 @@ from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
 
 # the intermediates of one group of segments (masks, gathered keys, indexer scores) stay below this many elements
 GROUP_BUDGET = 1 << 23
+# a segment's queries' C4 picks (S * topk) join its shared key set up to this many (decodes: 16, verify windows
+# of K + 1 tokens: 16 (K + 1)); longer (prefill) segments attend each query's picks as a set of its own
+UNION_PICKS = 128
+
+
+def _not_own_picks(s: int, k: int, device: torch.device) -> torch.Tensor:
+    """``[1, S, S * k]`` bool: True where pick ``m`` of query ``j`` (column ``j * k + m``) is not query ``i``'s."""
+    owner = torch.arange(s * k, device=device) // k
+    return (torch.arange(s, device=device)[:, None] != owner[None, :]).unsqueeze(0)
 
 
 class GroupedLinear(nn.Module):
@@ -250,7 +259,7 @@ class DeepseekV4Attention(nn.Module):
         n_win = md.window(self.window).slots.shape[1]
         n_ent = md.entries(self.compress_ratio).count if self.compress_ratio else 0
         k = min(self.indexer.topk, n_ent) if self.indexer is not None else n_ent
-        per_seg = s * self.n_local_heads * (n_win + k + 1) + (n_win + k) * self.head_dim
+        per_seg = s * self.n_local_heads * (n_win + s * k + 1) + (n_win + s * k) * self.head_dim
         if self.indexer is not None:
             per_seg = max(per_seg, s * self.indexer.n_heads * n_ent, s * k * self.head_dim)
         groups = md.segment_groups(per_seg, GROUP_BUDGET)
@@ -289,9 +298,13 @@ class DeepseekV4Attention(nn.Module):
                                          topk=self.indexer.topk)
             bsz, s, k = picks.shape
             picked = self.cache.piece_index(torch.gather(slots, 1, picks.reshape(bsz, s * k)), ch["entry"])
-            if s == 1:  # a decode's picks are its segment's own: one key set, one gather
+            if s * k <= UNION_PICKS:
+                # decodes and verify windows: every query's picks join the segment's key set, each visible only
+                # to the query that picked it (an entry two queries picked is there twice, once for each), so
+                # one gather and one kernel pass serve the segment
+                hidden = _not_own_picks(s, k, picks.device) | unseen.view(bsz, 1, s * k)
                 index = torch.cat([index, picked], dim=1)
-                mask = torch.cat([mask, additive_mask(unseen, mask.dtype)], dim=-1)
+                mask = torch.cat([mask, additive_mask(hidden, mask.dtype)], dim=-1)
             else:
                 per_query = (self.cache.gather_pieces(picked.view(bsz, s, k)), unseen)
         keys = self.cache.gather_pieces(index)

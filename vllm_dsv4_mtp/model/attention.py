@@ -20,6 +20,8 @@ contiguous window-key range plus the C128 entries it may see or (C4) each query'
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -48,8 +50,10 @@ GROUP_BUDGET = 1 << 23
 UNION_PICKS = 128
 
 
+@functools.lru_cache(maxsize=64)
 def _not_own_picks(s: int, k: int, device: torch.device) -> torch.Tensor:
-    """``[1, S, S * k]`` bool: True where pick ``m`` of query ``j`` (column ``j * k + m``) is not query ``i``'s."""
+    """``[1, S, S * k]`` bool: True where pick ``m`` of query ``j`` (column ``j * k + m``) is not query ``i``'s
+    (a constant of the step's shape, made once; never written)."""
     owner = torch.arange(s * k, device=device) // k
     return (torch.arange(s, device=device)[:, None] != owner[None, :]).unsqueeze(0)
 

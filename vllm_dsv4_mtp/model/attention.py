@@ -45,9 +45,16 @@ from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
 
 # the intermediates of one group of segments (masks, gathered keys, indexer scores) stay below this many elements
 GROUP_BUDGET = 1 << 23
-# a segment's queries' C4 picks (S * topk) join its shared key set up to this many (decodes: 16, verify windows
-# of K + 1 tokens: 16 (K + 1)); longer (prefill) segments attend each query's picks as a set of its own
+# a verify window's queries' C4 picks (S * k) join its shared key set up to this many: each query computes
+# scores over the others' picks too, which costs less than a second kernel pass while the union is small (the
+# embedded model's index_topk 16: up to K = 7); with DeepSeek-V4's 512 or 1024 picks, and for prefill segments,
+# each query's picks stay a set of its own. A decode's picks (one query) always join.
 UNION_PICKS = 128
+
+
+def _folds_picks(s: int, k: int) -> bool:
+    """Whether segments of ``s`` queries with ``k`` picks each attend their picks in the shared key set."""
+    return s == 1 or s * k <= UNION_PICKS
 
 
 @functools.lru_cache(maxsize=64)
@@ -263,7 +270,8 @@ class DeepseekV4Attention(nn.Module):
         n_win = md.window(self.window).slots.shape[1]
         n_ent = md.entries(self.compress_ratio).count if self.compress_ratio else 0
         k = min(self.indexer.topk, n_ent) if self.indexer is not None else n_ent
-        per_seg = s * self.n_local_heads * (n_win + s * k + 1) + (n_win + s * k) * self.head_dim
+        shared = n_win + (s * k if self.indexer is not None and _folds_picks(s, k) else k)  # keys every query scores
+        per_seg = s * self.n_local_heads * (shared + 1) + shared * self.head_dim
         if self.indexer is not None:
             per_seg = max(per_seg, s * self.indexer.n_heads * n_ent, s * k * self.head_dim)
         groups = md.segment_groups(per_seg, GROUP_BUDGET)
@@ -302,10 +310,10 @@ class DeepseekV4Attention(nn.Module):
                                          topk=self.indexer.topk)
             bsz, s, k = picks.shape
             picked = self.cache.piece_index(torch.gather(slots, 1, picks.reshape(bsz, s * k)), ch["entry"])
-            if s * k <= UNION_PICKS:
-                # decodes and verify windows: every query's picks join the segment's key set, each visible only
-                # to the query that picked it (an entry two queries picked is there twice, once for each), so
-                # one gather and one kernel pass serve the segment
+            if _folds_picks(s, k):
+                # decodes and short verify windows: every query's picks join the segment's key set, each visible
+                # only to the query that picked it (an entry two queries picked is there twice, once for each),
+                # so one gather and one kernel pass serve the segment
                 hidden = _not_own_picks(s, k, picks.device) | unseen.view(bsz, 1, s * k)
                 index = torch.cat([index, picked], dim=1)
                 mask = torch.cat([mask, additive_mask(hidden, mask.dtype)], dim=-1)

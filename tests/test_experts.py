@@ -92,13 +92,17 @@ def test_packed_experts_compute_what_the_parameters_do(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("w4a4", [False, True])
-@pytest.mark.parametrize("expert_parallel", [False, True])
-def test_shared_expert_in_the_routed_pass_is_bit_identical(dtype, w4a4, expert_parallel):
+@pytest.mark.parametrize("split", ["none", "tp", "no_local_hit"])
+def test_shared_expert_in_the_routed_pass_is_bit_identical(dtype, w4a4, split):
     """The MoE hands its shared expert to the routed pass (``dense``) so one SwiGLU and one MXFP4 rounding
-    cover both: the result is bit-identical to the routed sum plus the shared expert computed on its own,
-    including an expert-parallel rank none of whose experts a token hit."""
-    E, D, I = 8, 64, 32
-    tp = dict(tp_rank=1, tp_size=2, expert_parallel=True) if expert_parallel else {}
+    cover both: the result is bit-identical to the routed sum plus the shared expert computed on its own, on
+    one rank, on a tensor-parallel rank (half of every expert's and of the shared expert's width) and on a rank
+    none of whose experts a token hit (an expert-parallel rank's experts; the MoE itself only fuses where the
+    shared expert has the routed experts' width, which under expert parallelism is a single rank)."""
+    E, D, I = 8, 64, 64  # a TP rank's half (32) is still one MXFP4 block wide
+    tp = {"none": {}, "tp": dict(tp_rank=1, tp_size=2),
+          "no_local_hit": dict(tp_rank=1, tp_size=2, expert_parallel=True)}[split]
+    expert_parallel = split == "no_local_hit"
     ex = experts.PortableExperts(E, D, I, 10.0, activation_quant=w4a4, dtype=dtype, **tp)
     _load(ex, _expert_weights(E, D, I, seed=5))
     ex.pack()

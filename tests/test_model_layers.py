@@ -350,7 +350,7 @@ import vllm._custom_ops  # noqa: F401
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm_dsv4_mtp.model import norm as N
 x = (torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
-assert (N._fused_normalise(x, 1e-6) != N._normalise(x, 1e-6)).float().mean() > 0.2  # this build truncates
+assert (N._fused_normalise(x, 1e-6) != N._normalise(x, 1e-6, x.dtype)).float().mean() > 0.2  # this build truncates
 assert not N.fused_kernel_matches(torch.bfloat16, 128, 1e-6)
 with set_current_vllm_config(VllmConfig()):
     from vllm.model_executor.layers.layernorm import RMSNorm

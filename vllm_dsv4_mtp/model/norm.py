@@ -11,9 +11,9 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x`` normalised in float32, rounded to ``x.dtype`` (the first half of vLLM's native ``RMSNorm``)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+def _normalise(x: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` normalised in float32, rounded to ``dtype`` (the first half of vLLM's native ``RMSNorm``)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(dtype)
 
 
 def _fused_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,7 +32,7 @@ def fused_kernel_matches(dtype: torch.dtype, width: int, eps: float) -> bool:
     probe = torch.randn(16, width, generator=g) * torch.logspace(-3, 3, 16).unsqueeze(-1)
     probe = probe.to(dtype)
     try:
-        return torch.equal(_fused_normalise(probe, eps), _normalise(probe, eps))
+        return torch.equal(_fused_normalise(probe, eps), _normalise(probe, eps, dtype))
     except (RuntimeError, AttributeError):  # no kernel in this build, or a width it does not take
         return False
 
@@ -44,16 +44,15 @@ def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
     by the weight); for norms of a few hundred channels per token the cost is host time, so this computes the
     same without the custom-op dispatch. In 16-bit the normalisation is vLLM's CPU ``rms_norm`` kernel without
     a weight (one op instead of torch's five; it needs a contiguous input) where it reproduces the formula
-    (:func:`fused_kernel_matches`), else torch's ``rms_norm``; then the weight multiplies. Float32 uses torch's
-    ``rms_norm``. ``tests/test_model_layers.py`` holds the result equal to vLLM's ``RMSNorm``.
+    (:func:`fused_kernel_matches`); otherwise, and in float32, torch's ``rms_norm``. Then the weight multiplies.
+    ``tests/test_model_layers.py`` holds the result equal to vLLM's ``RMSNorm``.
     """
     if x.device.type != "cpu":
         return norm(x)
-    eps = norm.variance_epsilon
-    if x.dtype in _FUSED_DTYPES and norm.weight.dtype == x.dtype:
-        x = x.contiguous()
-        normed = (_fused_normalise(x, eps) if fused_kernel_matches(x.dtype, x.shape[-1], eps)
-                  else _normalise(x, eps))
-        return normed * norm.weight
-    xf = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    return (xf.to(norm.weight.dtype) * norm.weight).to(x.dtype)
+    eps, weight = norm.variance_epsilon, norm.weight
+    if (x.dtype in _FUSED_DTYPES and weight.dtype == x.dtype
+            and fused_kernel_matches(x.dtype, x.shape[-1], eps)):
+        normed = _fused_normalise(x.contiguous(), eps)
+    else:
+        normed = _normalise(x, eps, weight.dtype)
+    return (normed * weight).to(x.dtype)

@@ -277,7 +277,9 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
         """Store ``values: [M, w]`` into channels ``[start, start + w)`` of the rows at ``slots: [M]``."""
         values = values.to(self.kv_cache.dtype)
         end = start + values.shape[-1]
-        for p in self._spanned(start, values.shape[-1]):
+        spanned = self._spanned(start, values.shape[-1])
+        index = self._index(slots, spanned[0], len(spanned))  # [M, pieces spanned], as gather addresses them
+        for i, p in enumerate(spanned):
             lo, hi = max(start, p * self.piece_width), min(end, (p + 1) * self.piece_width)
             table = self._pieces()[:, lo - p * self.piece_width : hi - p * self.piece_width]
-            table.index_copy_(0, self._index(slots, p, 1).squeeze(-1), values[:, lo - start : hi - start])
+            table.index_copy_(0, index[:, i], values[:, lo - start : hi - start])

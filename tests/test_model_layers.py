@@ -261,6 +261,30 @@ def test_indexer_really_selects(tmp_path):
     assert torch.equal(y16, y16_all)
 
 
+@pytest.mark.parametrize("shape", [(64, 1, 250), (2, 64, 300), (1, 3, 5000)])
+def test_keyed_top_entries_order_as_the_stable_sort(shape):
+    """Large calls' int64-key top-k picks the stable descending sort's entries in its order: ties (+0.0 and
+    -0.0 among them: all heads ReLU'd to 0 with weights of either sign) to the lowest index, -inf (invisible
+    entries) last, negative scores below positive ones."""
+    from vllm_dsv4_mtp.model import indexer
+
+    g = torch.Generator().manual_seed(sum(shape))
+    scores = torch.randn(shape, generator=g)
+    scores[..., ::3] = 0.0
+    scores[..., 1::7] = -0.0
+    scores[..., 2::5] = scores[..., 4:5]  # repeated non-zero values
+    scores[..., -(shape[-1] // 4):] = float("-inf")
+    scores[0, 0, :] = float("-inf")  # a query that sees nothing: picks 0, 1, 2, ... as the sort gives
+    assert scores.numel() >= indexer.KEYED_TOPK_FROM  # the keyed path runs
+    for k in (1, 16, 200):
+        want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+        assert torch.equal(indexer.top_entries(scores, k), want), k
+    small = scores[:1, :1, :64]
+    assert small.numel() < indexer.KEYED_TOPK_FROM
+    assert torch.equal(indexer.top_entries(small, 16),
+                       torch.sort(small, dim=-1, descending=True, stable=True).indices[..., :16])
+
+
 # --------------------------------------------------------------------------------------------- MoE
 def _copy_moe(ref, mine, fmt):
     """HF's weights into ours through the experts' vLLM-style weight loader; for "mxfp4" both sides get the

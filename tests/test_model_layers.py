@@ -265,7 +265,7 @@ def test_indexer_really_selects(tmp_path):
 def test_keyed_top_entries_order_as_the_stable_sort(shape):
     """Large calls' int64-key top-k picks the stable descending sort's entries in its order: ties (+0.0 and
     -0.0 among them: all heads ReLU'd to 0 with weights of either sign) to the lowest index, -inf (invisible
-    entries) last, negative scores below positive ones."""
+    entries) last, negative scores below positive ones, NaN of either sign first."""
     from vllm_dsv4_mtp.model import indexer
 
     g = torch.Generator().manual_seed(sum(shape))
@@ -275,6 +275,11 @@ def test_keyed_top_entries_order_as_the_stable_sort(shape):
     scores[..., 2::5] = scores[..., 4:5]  # repeated non-zero values
     scores[..., -(shape[-1] // 4):] = float("-inf")
     scores[0, 0, :] = float("-inf")  # a query that sees nothing: picks 0, 1, 2, ... as the sort gives
+    # NaN (from an inf input only) of either sign: first, as in the sort
+    scores[-1, -1, 7] = float("nan")
+    scores[-1, -1, 9] = -torch.tensor(float("nan"))
+    scores[-1, 0, 3] = torch.tensor(float("inf")) - torch.tensor(float("inf"))
+    scores[-1, -1, 11] = float("inf")
     assert scores.numel() >= indexer.KEYED_TOPK_FROM  # the keyed path runs
     for k in (1, 16, 200):
         want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]

@@ -56,16 +56,19 @@ KEYED_TOPK_FROM = 1 << 13
 
 
 def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices ``[..., k]`` of the ``k`` largest of ``scores [..., n]`` (float32, no NaN), highest first; among
-    equal scores (e.g. all heads ReLU'd to 0) the lowest index first, as a stable descending sort orders them,
-    so the picks do not depend on how queries are batched (prefill vs chunked prefill vs decode).
+    """Indices ``[..., k]`` of the ``k`` largest of ``scores [..., n]`` (float32), highest first; among equal
+    scores (e.g. all heads ReLU'd to 0) the lowest index first, as a stable descending sort orders them, so
+    the picks do not depend on how queries are batched (prefill vs chunked prefill vs decode). NaN (only from
+    a non-finite input) ranks above everything, as in the sort.
 
     Large calls take top-k over unique int64 keys: the score's bits in an order-preserving integer form, then
     the index reversed (so the lower index is the larger key on a tie): the same order, no full sort."""
     if scores.numel() < KEYED_TOPK_FROM:
         return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     n = scores.shape[-1]
-    bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 ties with +0.0, as in the sort
+    # + 0.0: -0.0 ties with +0.0, as in the sort; every NaN made the positive one (x86's inf - inf is negative)
+    scores = (scores + 0.0).masked_fill_(scores.isnan(), float("nan"))
+    bits = scores.view(torch.int32)
     ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # negative floats: magnitude bits flipped
     keys = (ordered << 32) | torch.arange(n - 1, -1, -1, device=scores.device)
     return (n - 1) - (keys.topk(k, dim=-1).values & 0xFFFFFFFF)

@@ -148,6 +148,8 @@ def measure_model(name: str, ckpt: str, args) -> dict:
     sets = {1: questions[:MTP_BATCH1_REQUESTS], 64: questions[:64]}
     off = {b: e2e(llm, p, b, args.reps) for b, p in sets.items()}
     stop_engine(llm)
+    # LLM.get_metrics reads vLLM's process-wide Prometheus registry, which every new engine resets: the MTP
+    # engine must be the last one started when its acceptance is read below
     llm = start_engine(ckpt, mtp_k=2)
     generate(llm, random_prompts(vocab, 2, 16, seed=9), 4)
     res["mtp"] = {}

@@ -228,16 +228,21 @@ def _grid_offset(a: torch.Tensor) -> torch.Tensor:
     """``C = s * 2**23`` for magnitudes ``a >= 0`` (float32, NaN allowed): ``s`` the E2M1 grid spacing at ``a``,
     0.5 below 2 (biased exponent <= 127), 1 in [2, 4) (128), 2 from 4 up (>= 129); ``C``'s biased exponent is
     that exponent, clamped to [127, 129], plus 22."""
-    exponent = (a.view(torch.int32) >> 23).clamp_(127, 129)  # a NaN's sign bit may be set: clamps to 127
-    return ((exponent + 22) << 23).view(torch.float32)
+    # the exponent field kept in place, clamped, plus 22 in it (a NaN's C is any of the three: NaN + C - C is NaN)
+    return ((a.view(torch.int32) & 0x7F800000).clamp_(127 << 23, 129 << 23) + (22 << 23)).view(torch.float32)
 
 
 def _even_scale(amax: torch.Tensor) -> torch.Tensor:
     """Block amax float32 ``[...]`` (>= 0 or NaN) -> its E8M0 scale as float32, the value of
     ``e8m0_to_float(e8m0_scale_even(amax))`` except for all-zero blocks (``2**-127`` here, not the exporter's
-    byte 1: either way every element rounds to +0.0)."""
-    bits = _byte_value_bits(_even_rule_byte(amax))
-    return bits.view(torch.float32).masked_fill_(amax.isnan(), float("nan"))
+    byte 1: either way every element rounds to +0.0).
+
+    :func:`_even_rule_byte`'s rule in float arithmetic: ``p``, the power of two of ``bits(amax) + 2**21``'s
+    binade (0 below the normal range, inf for ``E == 255``), times 1/4 is byte ``E - 2``, exact; the clamp to
+    ``[2**-127, 2**127]`` is bytes 0 and 254 (an inf or rounding-to-inf amax). Equal to the byte route for
+    every non-negative float32 bit pattern (checked over all 2**31 of them)."""
+    p = ((amax.view(torch.int32) + (1 << 21)) & 0x7F800000).view(torch.float32)
+    return (p * 0.25).clamp_(min=2.0**-127, max=2.0**127).masked_fill_(amax.isnan(), float("nan"))
 
 
 def _scaled(values: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:

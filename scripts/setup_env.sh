@@ -12,6 +12,10 @@ if [ ! -f "$VENV/.setup-done" ]; then
     # half-way with a bare "No space left on device", so say up front what is needed and where (also when a
     # set-up stopped half-way left a .venv without its stamp).
     need_gb=${DSV4_SETUP_FREE_GB:-6}
+    case "$need_gb" in
+        '' | *[!0-9]*) echo "setup_env.sh: DSV4_SETUP_FREE_GB must be a whole number of GB, got '$need_gb'" >&2
+                       exit 1 ;;
+    esac
     free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
     if [ "$free_kb" -lt $(( need_gb * 1024 * 1024 )) ]; then
         echo "setup_env.sh: $(pwd) has $(( free_kb / 1024 )) MB free; a new $VENV needs about ${need_gb} GB." \

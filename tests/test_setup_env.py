@@ -30,3 +30,13 @@ def test_setup_stops_before_writing_when_the_disk_lacks_room(tmp_path, half_made
     assert run.returncode == 1, run.stdout + run.stderr
     assert f"{tmp_path}" in run.stderr and "needs about 1000000000 GB" in run.stderr, run.stderr
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before, "nothing may be written"
+
+
+def test_a_free_space_need_that_is_not_a_whole_number_is_refused(tmp_path):
+    """A value like 5.5 would make the shell's integer test fail and the check silently pass."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup_env.sh", tmp_path / "scripts" / "setup_env.sh")
+    run = subprocess.run(["bash", str(tmp_path / "scripts" / "setup_env.sh")],
+                         env=dict(os.environ, DSV4_SETUP_FREE_GB="5.5"), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "DSV4_SETUP_FREE_GB must be a whole number of GB, got '5.5'" in run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scripts"]

@@ -33,3 +33,24 @@ def test_decode_step_prints_the_plugin_against_the_floor_of_the_same_run(tmp_pat
         assert float(ms) == pytest.approx(bf16["batch_ms"][b], abs=0.006)
         assert float(ratio) == pytest.approx(bf16["batch_ms"][b] / floor["batch_ms"][b], abs=0.051)
     assert json.loads(r.stdout.split("RESULT ", 1)[1].splitlines()[0]) == result
+
+
+def test_decode_step_measures_the_floors_own_k2_step_with_a_one_layer_draft(tmp_path):
+    """The floor's K=2 row: vLLM's draft_model method with a random 1-layer Llama (nothing accepted), so the
+    K=2 step's cost in MTP-off steps is vLLM's speculative decoding alone at this size."""
+    out = tmp_path / "floor.json"
+    r = subprocess.run([sys.executable, "-m", "vllm_dsv4_mtp.benchmarks.decode_step", "--models", "floor",
+                        "--batches", "1", "--contexts", "100", "--reps", "1", "--decode", "5", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (floor,) = json.loads(out.read_text())["results"]
+    assert set(floor["mtp"]) == {"1", "64"}
+    for b, m in floor["mtp"].items():
+        assert m["requests"] == (8 if b == "1" else 64)
+        assert 1.0 <= m["mean_acceptance_length"] < 1.5  # a random draft: next to nothing accepted
+        # two draft forwards and a 3-token verify cost more than one plain step
+        want = m["mean_acceptance_length"] * m["on_s"] / m["off_s"]
+        assert m["step_in_off_steps"] == pytest.approx(want, abs=2e-3)
+        assert m["step_in_off_steps"] > 1.0
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| vLLM floor, 1-layer random draft |")]
+    assert len(rows) == 2, r.stdout[-2000:]

@@ -17,7 +17,11 @@ Measured, each ``--reps`` times, medians reported:
   held-out questions with MTP off (the table's engine) and with ``{"method": "mtp",
   "num_speculative_tokens": 2}`` (a second engine, same flags): batch 1 = 8 questions one at a time, batch 64 =
   64 questions at once; speedup = time off / time on, with vLLM's mean acceptance length and whether the
-  outputs equal MTP off token for token.
+  outputs equal MTP off token for token;
+* what a K=2 step costs in MTP-off steps, ``acceptance length x time on / time off``, for the plugin models and
+  for the floor with a random 1-layer Llama as its draft (vLLM's ``draft_model`` method: a quarter of the
+  target's depth, as the MTP layer is of the embedded model's; random, so nothing is accepted): what vLLM's
+  speculative decoding itself costs a step at this size, whatever the draft.
 
 Prints markdown tables (the issue's layout) and a ``RESULT {json}`` line.
 """
@@ -58,10 +62,15 @@ def model_dirs(tmp: str) -> dict[str, str]:
             "bf16": str(BF16_CHECKPOINT_DIR), "mxfp4": str(MXFP4_CHECKPOINT_DIR)}
 
 
-def start_engine(ckpt: str, mtp_k: int | None = None):
+def start_engine(ckpt: str, mtp_k: int | None = None, draft: str | None = None):
+    """``mtp_k``: MTP with K drafts; with ``draft``, vLLM's ``draft_model`` method on that checkpoint instead."""
     from vllm import LLM
 
-    spec = None if mtp_k is None else {"method": "mtp", "num_speculative_tokens": mtp_k}
+    spec = None
+    if mtp_k is not None:
+        spec = {"method": "mtp", "num_speculative_tokens": mtp_k}
+        if draft is not None:
+            spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": mtp_k}
     return LLM(model=ckpt, speculative_config=spec, **ENGINE_FLAGS)
 
 
@@ -141,16 +150,23 @@ def measure_model(name: str, ckpt: str, args) -> dict:
                        for b in args.batches}
     res["context_ms"] = {c: decode_step_ms(llm, random_prompts(vocab, 1, c, seed=c), args.decode, args.reps)
                          for c in args.contexts}
-    if name == "floor" or not args.mtp:
+    if not args.mtp:
         stop_engine(llm)
         return res
-    questions = question_prompts(ckpt, 64)
-    sets = {1: questions[:MTP_BATCH1_REQUESTS], 64: questions[:64]}
+    draft = None
+    if name == "floor":  # no MTP layer: random prompts, and a random 1-layer Llama as the draft
+        from vllm_dsv4_mtp.benchmarks.floor import build_floor_checkpoint
+
+        draft = str(build_floor_checkpoint(f"{ckpt}-draft", vocab_size=vocab, num_layers=1))
+        prompts = random_prompts(vocab, 64, PROMPT_LEN, seed=5)
+    else:
+        prompts = question_prompts(ckpt, 64)
+    sets = {1: prompts[:MTP_BATCH1_REQUESTS], 64: prompts[:64]}
     off = {b: e2e(llm, p, b, args.reps) for b, p in sets.items()}
     stop_engine(llm)
     # LLM.get_metrics reads vLLM's process-wide Prometheus registry, which every new engine resets: the MTP
     # engine must be the last one started when its acceptance is read below
-    llm = start_engine(ckpt, mtp_k=2)
+    llm = start_engine(ckpt, mtp_k=2, draft=draft)
     generate(llm, random_prompts(vocab, 2, 16, seed=9), 4)
     res["mtp"] = {}
     for b, p in sets.items():
@@ -160,8 +176,10 @@ def measure_model(name: str, ckpt: str, args) -> dict:
         if before is not None and acc is not None:
             acc = acc.since(before)
         t_off, toks_off = off[b]
+        length = None if acc is None else acc.mean_acceptance_length
         res["mtp"][b] = {"off_s": round(t_off, 3), "on_s": round(t_on, 3), "speedup": round(t_off / t_on, 3),
-                         "mean_acceptance_length": None if acc is None else round(acc.mean_acceptance_length, 3),
+                         "mean_acceptance_length": None if length is None else round(length, 3),
+                         "step_in_off_steps": None if length is None else round(length * t_on / t_off, 3),
                          "identical": sum(a == c for a, c in zip(toks_off, toks_on)), "requests": len(p)}
     stop_engine(llm)
     return res
@@ -198,14 +216,15 @@ def render(results: list[dict]) -> str:
     mtp = [r for r in results if r.get("mtp")]
     if mtp:
         lines.append("")
-        lines.append("| MTP K=2 end-to-end, 64 tokens | batch | MTP off (s) | MTP K=2 (s) | speedup "
-                     "| mean acceptance length | outputs == MTP off |")
-        lines.append("|---|---:|---:|---:|---:|---:|---|")
+        lines.append("| K=2 end-to-end, 64 tokens | batch | off (s) | K=2 (s) | speedup | mean acceptance length "
+                     "| K=2 step in off steps | outputs == off |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---|")
         for r in mtp:
+            what = "vLLM floor, 1-layer random draft" if r["model"] == "floor" else f"{label[r['model']]}, MTP"
             for b, m in r["mtp"].items():
-                lines.append(f"| {label[r['model']]} | {b} | {m['off_s']:.2f} | {m['on_s']:.2f} | "
-                             f"{m['speedup']:.2f}x | {m['mean_acceptance_length']} | "
-                             f"{m['identical']}/{m['requests']} |")
+                step = "-" if m["step_in_off_steps"] is None else f"{m['step_in_off_steps']:.2f}"
+                lines.append(f"| {what} | {b} | {m['off_s']:.2f} | {m['on_s']:.2f} | {m['speedup']:.2f}x | "
+                             f"{m['mean_acceptance_length']} | {step} | {m['identical']}/{m['requests']} |")
     return "\n".join(lines)
 
 

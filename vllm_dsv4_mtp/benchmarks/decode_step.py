@@ -63,14 +63,14 @@ def model_dirs(tmp: str) -> dict[str, str]:
 
 
 def start_engine(ckpt: str, mtp_k: int | None = None, draft: str | None = None):
-    """``mtp_k``: MTP with K drafts; with ``draft``, vLLM's ``draft_model`` method on that checkpoint instead."""
+    """``mtp_k``: K speculative tokens from the model's MTP layer or, with ``draft``, from vLLM's ``draft_model``
+    method on that checkpoint."""
     from vllm import LLM
 
     spec = None
     if mtp_k is not None:
-        spec = {"method": "mtp", "num_speculative_tokens": mtp_k}
-        if draft is not None:
-            spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": mtp_k}
+        method = {"method": "mtp"} if draft is None else {"method": "draft_model", "model": draft}
+        spec = {**method, "num_speculative_tokens": mtp_k}
     return LLM(model=ckpt, speculative_config=spec, **ENGINE_FLAGS)
 
 

@@ -141,3 +141,68 @@ def test_parallel_ranks_sum_to_the_whole(expert_parallel):
         p = parts[1].w13_weight
         assert p.weight_loader(p, weights[0]["w1"], "experts.0.w1.weight", "w1", 0, return_success=True) is False
         assert p.weight_loader(p, weights[3]["w1"], "experts.3.w1.weight", "w1", 3, return_success=True) is True
+
+
+def _all_and_dispatch(ex, x, ws, ids, shared=None):
+    """The all-expert pass and the dispatch on the same input (``shared``: the shared expert's weights)."""
+    dense = None
+    if shared is not None:
+        dense = (lambda v: v @ shared[0].T, lambda h: h @ shared[1].T)
+    ex.pack_all(shared)
+    assert ex.takes_all(x.shape[0])
+    return ex.forward_all(x, ws, ids), ex(x, ws, ids, dense=dense)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("w4a4", [False, True])
+@pytest.mark.parametrize("split", ["none", "tp", "ep"])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_all_expert_pass_computes_the_dispatch(dtype, w4a4, split, with_shared):
+    """Every expert over every token, the routing weights between the two GEMMs, is the dispatch's routed sum
+    (plus the shared expert): float32 to its rounding, bfloat16 to its own (the pass rounds each weighted
+    expert row once where the dispatch rounds each expert output once); on one rank, a TP rank and an EP rank
+    (other ranks' experts dropped), with an expert a token picked twice (hash routing's table may) summed."""
+    E, D, I = 8, 64, 64
+    tp = {"none": {}, "tp": dict(tp_rank=1, tp_size=2), "ep": dict(tp_rank=1, tp_size=2, expert_parallel=True)}[split]
+    ex = experts.PortableExperts(E, D, I, 10.0, activation_quant=w4a4, dtype=dtype, **tp)
+    _load(ex, _expert_weights(E, D, I, seed=7))
+    ex.pack()
+    g = torch.Generator().manual_seed(8)
+    shared = None
+    if with_shared:
+        shared = (torch.randn(2 * ex.local_intermediate, D, generator=g).to(dtype) / 8,
+                  torch.randn(D, ex.local_intermediate, generator=g).to(dtype) / 8)
+    for tokens in (1, 7, 50):
+        x = torch.randn(tokens, D, generator=g).to(dtype)
+        ids = torch.randint(0, E, (tokens, 2), generator=g)
+        ids[0, 1] = ids[0, 0]  # one token's two picks the same expert
+        ws = torch.rand(tokens, 2, generator=g)
+        got, want = _all_and_dispatch(ex, x, ws, ids, shared)
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape
+        scale = want.float().abs().max().item()
+        # bfloat16: a few roundings of 2**-9 on each term; under W4A4 the same MXFP4 codes (the SwiGLU rounds
+        # as the dispatch's), so no rounding step of 2**-2 appears here
+        tol = 2e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want.float(), atol=tol * scale, rtol=0)
+        if dtype == torch.float32:  # a dropped or doubled expert is far outside float32 rounding
+            wrong = ws.clone()
+            wrong[0, 1] = 0.0
+            bad, _ = _all_and_dispatch(ex, x, wrong, ids, shared)
+            assert (bad - got).abs().max().item() > 1e3 * tol * scale or split == "ep"
+
+
+def test_all_expert_pass_is_taken_for_small_moes_only():
+    """The embedded model's MoE (8 experts + the shared one, 128 x 128) takes the all-expert pass for a decode
+    step of 64 requests (BF16) and not for a verify window of 3 x 64 tokens; W4A4 for fewer tokens; DeepSeek-V4's
+    own experts (256 of 2048 x 7168) never; nothing before pack_all; pack_all refuses mis-shaped shared weights."""
+    assert experts.all_experts_pay(64, 9, 128, 128, w4a4=False)
+    assert not experts.all_experts_pay(192, 9, 128, 128, w4a4=False)
+    assert experts.all_experts_pay(32, 8, 128, 128, w4a4=True)
+    assert not experts.all_experts_pay(64, 8, 128, 128, w4a4=True)
+    assert not experts.all_experts_pay(1, 256, 2048, 7168, w4a4=False)
+    tiny = experts.PortableExperts(8, 128, 128, 10.0, dtype=torch.bfloat16)
+    assert not tiny.takes_all(1)  # not packed
+    tiny.pack_all((torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(128, 128, dtype=torch.bfloat16)))
+    assert tiny.takes_all(64) and not tiny.takes_all(192)
+    with pytest.raises(ValueError, match="shared expert's weights"):
+        tiny.pack_all((torch.zeros(128, 128), torch.zeros(128, 128)))

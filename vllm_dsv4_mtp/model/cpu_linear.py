@@ -40,6 +40,12 @@ def slice_linears(weight: torch.Tensor) -> list[Linear]:
     return [cpu_linear(w) for w in weight.data]
 
 
+def all_linear(weight: torch.Tensor) -> Linear:
+    """One linear of ``weight: [N, K]`` (contiguous): dispatched on CPU, else ``F.linear``."""
+    weight = weight.contiguous()
+    return cpu_linear(weight) if weight.device.type == "cpu" else (lambda x: F.linear(x, weight))
+
+
 def pack_weights(model: nn.Module) -> None:
     """Call ``pack()`` on every module of ``model`` that has one (once its weights are loaded)."""
     for m in model.modules():

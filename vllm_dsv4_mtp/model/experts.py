@@ -16,6 +16,9 @@ Dispatch: the step's assignments are sorted by expert once; each hit expert then
 contiguous run of rows, the SwiGLU (and the W4A4 rounding) once over all rows, the shared expert's included
 where it has the routed experts' width and rounding (``dense`` in :meth:`PortableExperts.forward`). After
 loading, :meth:`pack` gives each expert's matrices vLLM's CPU GEMM dispatch (``model/cpu_linear.py``).
+Where every expert's GEMMs over every token cost little (small experts, few tokens: :meth:`takes_all`),
+:meth:`forward_all` instead runs all experts, the shared one among them, as two GEMMs with the routing weights
+applied between them (0 for an expert a token did not pick): no sort, index or per-expert call.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.model.cpu_linear import Linear, plain_linears, slice_linears
+from vllm_dsv4_mtp.model.cpu_linear import Linear, all_linear, plain_linears, slice_linears
+
+# The all-expert pass (every expert's GEMMs over every token) while those cost at most this many multiply-adds;
+# under W4A4 a quarter of that, its MXFP4 rounding (~20 elementwise ops) running over every expert's rows too.
+# Measured on the embedded model's MoE (8 + 1 experts of 128 x 128, 2 cores): BF16 faster than the dispatch up to
+# ~160 tokens (3x at 16), W4A4 up to ~48.
+ALL_EXPERTS_MACS = 1 << 26
+ALL_EXPERTS_MACS_W4A4 = 1 << 24
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -34,6 +44,16 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
+
+
+def all_experts_pay(tokens: int, experts: int, intermediate: int, hidden: int, *, w4a4: bool) -> bool:
+    """Whether running ``experts`` SwiGLU experts (``intermediate x hidden``) over all ``tokens`` tokens costs
+    less than dispatching each token to its picks: their GEMMs within ``ALL_EXPERTS_MACS`` (W4A4:
+    ``ALL_EXPERTS_MACS_W4A4``) multiply-adds. DeepSeek-V4's own 256+ experts of 2048 x 7168 never do; the
+    embedded model's and other small MoEs' do, where per-expert calls and the dispatch's index ops cost more
+    than computing every expert."""
+    budget = ALL_EXPERTS_MACS_W4A4 if w4a4 else ALL_EXPERTS_MACS
+    return tokens * experts * 3 * intermediate * hidden <= budget
 
 
 class PortableExperts(nn.Module):
@@ -72,6 +92,8 @@ class PortableExperts(nn.Module):
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self._linears: list[tuple[Linear, Linear]] | None = None  # per expert (w13, w2), set by pack()
+        self._all: tuple[Linear, Linear] | None = None  # every expert at once, set by pack_all()
+        self._all_shared = False
 
     # --------------------------------------------------------------------------------------------- loading
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, weight_name: str, shard_id: str,
@@ -104,6 +126,69 @@ class PortableExperts(nn.Module):
     def pack(self) -> None:
         """After loading: each expert's ``w13`` and ``w2`` as a linear of its own (``model/cpu_linear.py``)."""
         self._linears = list(zip(slice_linears(self.w13_weight), slice_linears(self.w2_weight)))
+
+    def pack_all(self, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """After loading: the all-expert pass's two linears (:meth:`forward_all`), every local expert side by
+        side, then ``shared = (w13 [2 I, D], w2 [D, I])`` (the shared expert, of this rank's width) as one
+        more: ``w13 [(E + 1) 2 I, D]``, ``w2 [D, (E + 1) I]``. Their bytes come once more (packed copies)."""
+        w13, w2 = self.w13_weight.data, self.w2_weight.data
+        if shared is not None:
+            want = ((2 * self.local_intermediate, self.hidden_size), (self.hidden_size, self.local_intermediate))
+            if tuple(tuple(w.shape) for w in shared) != want:
+                raise ValueError(f"pack_all: the shared expert's weights are {[tuple(w.shape) for w in shared]}, "
+                                 f"expected {list(want)} (pack before vLLM's process_weights_after_loading)")
+            w13 = torch.cat([w13, shared[0].data.to(w13.dtype).unsqueeze(0)])
+            w2 = torch.cat([w2, shared[1].data.to(w2.dtype).unsqueeze(0)])
+        n = w13.shape[0]
+        self._all_shared = shared is not None
+        self._all = (
+            all_linear(w13.reshape(n * 2 * self.local_intermediate, self.hidden_size)),
+            all_linear(w2.permute(1, 0, 2).reshape(self.hidden_size, n * self.local_intermediate)),
+        )
+
+    def takes_all(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens runs :meth:`forward_all` (packed by :meth:`pack_all`, and
+        :func:`all_experts_pay`)."""
+        return self._all is not None and all_experts_pay(
+            tokens, self.local_experts + self._all_shared, self.local_intermediate, self.hidden_size,
+            w4a4=self.activation_quant)
+
+    def forward_all(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    x_rounded: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` as two GEMMs over every local expert (and the shared one, when packed with it) for
+        every token: ``w13`` of all experts, SwiGLU (and the W4A4 rounding) over all, each expert's rows
+        scaled by the token's routing weight (0 where not routed, 1 for the shared expert) in float32, then
+        one ``w2`` GEMM whose sum over experts is the routed sum (plus the shared expert's output). The same
+        function as the per-expert dispatch with no index, sort or per-expert call; it rounds each scaled row
+        to ``x.dtype`` where the dispatch rounds each expert's output (the same bound; float32 unchanged to
+        its rounding). ``x: [T, D]`` -> ``[T, D]`` in ``x.dtype``."""
+        t, k = ids.shape
+        n, i = self.local_experts, self.local_intermediate
+        local = ids - self.first_expert if self.first_expert else ids
+        if self._all_shared:
+            n += 1
+        spare = self.local_experts < self.num_experts  # expert parallel: other ranks' experts to a spare column
+        if spare:
+            local = torch.where((local >= 0) & (local < self.local_experts), local, n)
+        w = torch.zeros(t, n + spare, dtype=torch.float32, device=x.device).scatter_add_(1, local, weights.float())
+        if self._all_shared:
+            w[:, n - 1] = 1.0
+        if spare:
+            w = w[:, :n]
+        h = self._all[0](x_rounded if x_rounded is not None else self._act(x)).view(t, n, 2 * i)
+        if self.activation_quant:
+            # W4A4 rounds the SwiGLU as the dispatch computes it (in x.dtype): an MXFP4 step is coarse enough
+            # that another rounding before it would move some elements a whole step
+            a = self._swiglu(h).float()
+        else:
+            # float32 (n times the dispatch's rows: torch's CPU bfloat16 elementwise ops are the slow ones)
+            h = h.float()
+            gate, up = h[..., :i], h[..., i:]
+            if self.swiglu_limit > 0:
+                gate.clamp_(max=self.swiglu_limit)
+                up.clamp_(min=-self.swiglu_limit, max=self.swiglu_limit)
+            a = F.silu(gate, inplace=True).mul_(up)  # [T, n, I], in h
+        return self._all[1](a.mul_(w.unsqueeze(-1)).to(x.dtype).reshape(t, n * i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 x_rounded: torch.Tensor | None = None, dense: tuple[Linear, Linear] | None = None) -> torch.Tensor:

@@ -130,6 +130,17 @@ class DeepseekV4MoE(nn.Module):
             activation_quant=routed_w4a4,
         )
 
+    def _shared_joins(self) -> bool:
+        """Whether the shared expert runs in the routed experts' pass: the same SwiGLU, rounding and width."""
+        se, ex = self.shared_experts, self.experts
+        return (se.activation_quant, se.local_intermediate, se.swiglu_limit) == (
+            ex.activation_quant, ex.local_intermediate, ex.swiglu_limit)
+
+    def pack(self) -> None:
+        """After loading: the experts' all-expert pass, with the shared expert in it where it joins."""
+        se = self.shared_experts
+        self.experts.pack_all((se.gate_up_proj.weight, se.down_proj.weight) if self._shared_joins() else None)
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """``x: [T, D]`` (the normed sub-layer input), ``input_ids: [T]`` -> ``[T, D]``."""
         weights, ids = self.gate(x, input_ids)
@@ -137,8 +148,13 @@ class DeepseekV4MoE(nn.Module):
         both = self.experts.activation_quant and self.shared_experts.activation_quant
         x_rounded = mxfp4.fake_quant(x) if both else None
         se, ex = self.shared_experts, self.experts
-        if (se.activation_quant, se.local_intermediate, se.swiglu_limit) == (
-                ex.activation_quant, ex.local_intermediate, ex.swiglu_limit):
+        joins = self._shared_joins()
+        if ex.takes_all(x.shape[0]):
+            # few enough tokens and experts that computing every expert costs less than dispatching
+            out = ex.forward_all(x, weights, ids, x_rounded)
+            if not joins:
+                out = out + se(x, x_rounded)
+        elif joins:
             # the same SwiGLU and rounding: one pass over the routed and the shared rows (fewer small ops)
             out = ex(x, weights, ids, x_rounded, dense=(se.gate_up_proj, se.down_proj))
         else:

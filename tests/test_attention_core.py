@@ -250,18 +250,24 @@ def test_duplicate_layer_name_is_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3, 64])
-def test_grouped_wo_a_is_the_block_diagonal_product_packed_or_not(dtype, tokens):
-    """``wo_a`` runs one linear per group on strided group slices of its input (after pack() through vLLM's
-    CPU GEMM dispatch, before through F.linear); either way the result is the block-diagonal product."""
+@pytest.mark.parametrize("block_diagonal", [True, False])
+def test_grouped_wo_a_is_the_block_diagonal_product_packed_or_not(dtype, tokens, block_diagonal, monkeypatch):
+    """``wo_a`` runs one linear per group on strided group slices of its input (before pack() through
+    F.linear; after it through vLLM's CPU GEMM dispatch, one linear per group or, for small groups, one
+    block-diagonal linear); every way the result is the block-diagonal product, also on a strided input."""
+    from vllm_dsv4_mtp.model import attention
     from vllm_dsv4_mtp.model.attention import GroupedLinear
 
+    if not block_diagonal:
+        monkeypatch.setattr(attention, "BLOCK_DIAGONAL_MAX", 0)
     g = torch.Generator().manual_seed(0)
     wo_a = GroupedLinear(256, 64, n_groups=4, n_local_groups=2)
     wo_a.weight.data.copy_(torch.randn(128, 256, generator=g) * 0.05)
     wo_a.to(dtype)
-    o = torch.randn(tokens, 2, 256, generator=g).to(dtype)
+    o = torch.randn(tokens, 3, 256, generator=g).to(dtype)[:, 1:]  # strided, as the attention hands it
     unpacked = wo_a(o)
     wo_a.pack()
+    assert len(wo_a._linears) == (1 if block_diagonal else 2)
     packed = wo_a(o)
     blocks = torch.block_diag(*wo_a.weight.detach().double().view(2, 64, 256))
     exact = o.double().flatten(1) @ blocks.T

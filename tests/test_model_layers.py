@@ -429,3 +429,26 @@ def test_attention_rms_norm_equals_vllm_rmsnorm(dtype):
     norm.weight.data.copy_(torch.randn(64, generator=g))
     x = (torch.randn(9, 192, generator=g) * 3).to(dtype)[:, 64:128]
     assert torch.equal(rms_norm(x, norm), norm(x.contiguous()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_query_heads_rms_normalise_rounds_the_float32_formula_once(dtype):
+    """The query heads' weightless RMS (``rms_normalise``): ``x * rsqrt(mean(x^2) + eps)`` in float32, rounded
+    once to the dtype, per head of a ``[T, H, d]`` projection (the fused kernel where it applies, on a
+    contiguous copy of a strided input too); a wrong eps, axis or rounding breaks the equality."""
+    from vllm_dsv4_mtp.model.norm import rms_normalise
+
+    g = torch.Generator().manual_seed(1)
+    for shape in [(1, 4, 128), (64, 4, 128), (3, 2, 64)]:
+        x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+        xf = x.float()
+        want = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        got = rms_normalise(x, 1e-6)
+        assert got.shape == x.shape and got.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        else:  # the kernel sums the squares in its own order: an element's rounding may flip, 1 ulp
+            ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+            assert int(ulps.max()) <= 1 and (ulps > 0).float().mean() <= 1e-2, shape
+    x = (torch.randn(5, 3, 128, generator=g) * 3).to(dtype)[:, 1:]
+    assert torch.equal(rms_normalise(x, 1e-6), rms_normalise(x.contiguous(), 1e-6))

@@ -36,15 +36,18 @@ from vllm.model_executor.layers.linear import (
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
 from vllm_dsv4_mtp.model.compressor import Compressor
-from vllm_dsv4_mtp.model.cpu_linear import Linear, plain_linears, slice_linears
+from vllm_dsv4_mtp.model.cpu_linear import Linear, all_linear, plain_linears, slice_linears
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
-from vllm_dsv4_mtp.model.norm import rms_norm
+from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
 from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.rope import layer_rope
 from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
 
 # the intermediates of one group of segments (masks, gathered keys, indexer scores) stay below this many elements
 GROUP_BUDGET = 1 << 23
+# wo_a as one block-diagonal linear while that matrix has at most this many elements (the embedded model's:
+# 2 x 64 x 2 x 256; 24 -> 12 us at 1 token, 32 -> 16 at 64 on CPU); DeepSeek-V4's own groups stay one call each
+BLOCK_DIAGONAL_MAX = 1 << 20
 # a verify window's queries' C4 picks (S * k) join its shared key set up to this many: each query computes
 # scores over the others' picks too, which costs less than a second kernel pass while the union is small (the
 # embedded model's index_topk 16: up to K = 7); with DeepSeek-V4's 512 or 1024 picks, and for prefill segments,
@@ -94,14 +97,22 @@ class GroupedLinear(nn.Module):
         return self.weight.view(self.n_local_groups, self.out_per_group, -1)
 
     def pack(self) -> None:
-        """After loading: one linear per group."""
-        self._linears = slice_linears(self._grouped_weight())
+        """After loading: one linear per group or, while that matrix is small (``BLOCK_DIAGONAL_MAX``), one
+        block-diagonal linear for all groups (one call instead of ``G_local`` and a concatenation; the zero
+        blocks add exact zeros)."""
+        w = self._grouped_weight()
+        g, n, k = w.shape
+        if g > 1 and g * n * g * k <= BLOCK_DIAGONAL_MAX:
+            self._linears = [all_linear(torch.block_diag(*w.data))]
+        else:
+            self._linears = slice_linears(w)
 
     def forward(self, o: torch.Tensor) -> torch.Tensor:
         """``o: [T, G_local, (H/G) d]`` -> ``[T, G_local * o_lora]`` (groups side by side)."""
         linears = self._linears if self._linears is not None else plain_linears(self._grouped_weight())
-        out = [lin(o[:, g]) for g, lin in enumerate(linears)]
-        return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+        if len(linears) == 1:
+            return linears[0](o.reshape(o.shape[0], -1))
+        return torch.cat([lin(o[:, g]) for g, lin in enumerate(linears)], dim=-1)
 
 
 class DeepseekV4Attention(nn.Module):
@@ -200,7 +211,7 @@ class DeepseekV4Attention(nn.Module):
         qr = rms_norm(qr, self.q_norm)
         kv = rms_norm(kv, self.kv_norm)
         q = self.wq_b(qr).view(-1, self.n_local_heads, self.head_dim)
-        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
+        q = rms_normalise(q, self.eps)
         # one rotation for the query heads and the latent: [T, H_local + 1, d]
         qkv = self.rope.apply_(torch.cat([q, kv.unsqueeze(1)], dim=1), rot)
         q, kv = qkv[:, :-1], qkv[:, -1]

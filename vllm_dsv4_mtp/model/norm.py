@@ -37,6 +37,16 @@ def fused_kernel_matches(dtype: torch.dtype, width: int, eps: float) -> bool:
         return False
 
 
+def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` over the last dim, no weight (the query heads' own RMS), ``x: [..., C]`` -> same shape
+    and dtype: normalised in float32, rounded once; in 16-bit on CPU through vLLM's ``rms_norm`` kernel where
+    it reproduces that (:func:`fused_kernel_matches`), one op instead of torch's five."""
+    if (x.device.type == "cpu" and x.dtype in _FUSED_DTYPES
+            and fused_kernel_matches(x.dtype, x.shape[-1], eps)):
+        return _fused_normalise(x.contiguous().view(-1, x.shape[-1]), eps).view(x.shape)
+    return _normalise(x, eps, x.dtype)
+
+
 def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
     """``norm(x)`` for a vLLM ``RMSNorm`` (its weight and eps), ``x: [..., C]`` -> same shape and dtype.
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.engine
 def test_decode_step_prints_the_plugin_against_the_floor_of_the_same_run(tmp_path):
     out = tmp_path / "decode.json"
     r = subprocess.run([sys.executable, "-m", "vllm_dsv4_mtp.benchmarks.decode_step", "--models", "floor", "bf16",
-                        "--batches", "1", "2", "--contexts", "100", "300", "--reps", "1", "--decode", "5",
+                        "--batches", "1", "2", "--contexts", "100", "300", "--reps", "1", "--decode", "17",
                         "--no-mtp", "--json", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -40,7 +40,7 @@ def test_decode_step_measures_the_floors_own_k2_step_with_a_one_layer_draft(tmp_
     K=2 step's cost in MTP-off steps is vLLM's speculative decoding alone at this size."""
     out = tmp_path / "floor.json"
     r = subprocess.run([sys.executable, "-m", "vllm_dsv4_mtp.benchmarks.decode_step", "--models", "floor",
-                        "--batches", "1", "--contexts", "100", "--reps", "1", "--decode", "5", "--json", str(out)],
+                        "--batches", "1", "--contexts", "100", "--reps", "1", "--decode", "17", "--json", str(out)],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (floor,) = json.loads(out.read_text())["results"]
@@ -57,3 +57,15 @@ def test_decode_step_measures_the_floors_own_k2_step_with_a_one_layer_draft(tmp_
         assert m["step_in_off_steps"] > 1.0
     rows = [line for line in r.stdout.splitlines() if line.startswith("| vLLM floor, 1-layer random draft |")]
     assert len(rows) == 2, r.stdout[-2000:]
+
+
+def test_a_decode_step_that_measures_nonpositive_is_an_error(monkeypatch):
+    """``(t(N) - t(1)) / (N - 1)`` is a difference of two timed runs: where their noise exceeds the decode
+    steps, the benchmark says so instead of recording a zero or negative step."""
+    from vllm_dsv4_mtp.benchmarks import decode_step
+
+    times = iter([0.50, 0.48, 0.50, 0.62])  # t(1), t(N) of two repetitions: -2.5 and +15 ms a step
+    monkeypatch.setattr(decode_step, "generate", lambda llm, prompts, n: (next(times), None))
+    with pytest.raises(RuntimeError, match="larger --decode"):
+        decode_step.decode_step_ms(None, [[1]], 9, 1)
+    assert decode_step.decode_step_ms(None, [[1]], 9, 1) == pytest.approx(15.0)

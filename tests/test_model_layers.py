@@ -291,9 +291,10 @@ def test_keyed_top_entries_order_as_the_stable_sort(shape):
 
 
 # --------------------------------------------------------------------------------------------- MoE
-def _copy_moe(ref, mine, fmt):
+def _copy_moe(ref, mine, fmt, pack=False):
     """HF's weights into ours through the experts' vLLM-style weight loader; for "mxfp4" both sides get the
-    exact decode of the MXFP4-quantized weights (what the checkpoint loader stores)."""
+    exact decode of the MXFP4-quantized weights (what the checkpoint loader stores). ``pack``: then pack the
+    CPU linears as the model's ``load_weights`` does (before vLLM's post-loading step)."""
     from vllm_dsv4_mtp.formats import mxfp4
 
     P = dict(mine.named_parameters())
@@ -318,15 +319,22 @@ def _copy_moe(ref, mine, fmt):
                     ref.experts.gate_up_proj.data[e, (0 if shard == "w1" else inter):][:inter] = w
             param = ex.w2_weight if shard == "w2" else ex.w13_weight
             param.weight_loader(param, w, f"experts.{e}.{shard}.weight", shard_id=shard, expert_id=e)
+    if pack:
+        from vllm_dsv4_mtp.model.cpu_linear import pack_weights
+
+        pack_weights(torch.nn.ModuleList([mine]))
     _finish_loading(mine)
 
 
 @pytest.mark.parametrize("is_hash", [True, False])
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.usefixtures("vllm_dist")
-def test_moe_matches_hf(tmp_path, is_hash, fmt):
+def test_moe_matches_hf(tmp_path, is_hash, fmt, packed):
     """Router (hash / bias-selected), SwiGLU clamp, shared expert; MXFP4 weight-only equals HF on the decoded
-    weights; W4A4 equals the same experts on fake-quantised activations."""
+    weights; W4A4 equals the same experts on fake-quantised activations. ``packed``: as the model loads it, so
+    these sizes take the all-expert pass for 8 and 64 tokens (the shared expert in it; under W4A4 beside it,
+    unrounded), not for 1,000; unpacked, the per-expert dispatch."""
     from vllm_dsv4_mtp.formats import mxfp4
     from vllm_dsv4_mtp.model.experts import swiglu_clamped
     from vllm_dsv4_mtp.config import DeepseekV4Spec
@@ -343,19 +351,26 @@ def test_moe_matches_hf(tmp_path, is_hash, fmt):
     else:  # a bias large enough to change the selection, so "bias selects, scores weigh" is tested
         ref.gate.e_score_correction_bias.copy_(torch.randn(cfg["n_routed_experts"], generator=g) * 2)
     mine = DeepseekV4MoE(DeepseekV4Spec.from_dict(cfg), lid, prefix=f"model.layers.{lid}.ffn")
-    _copy_moe(ref, mine, fmt)
+    _copy_moe(ref, mine, fmt, pack=packed)
     x = torch.randn(1, 64, cfg["hidden_size"]) * 3
     ids = torch.randint(0, cfg["vocab_size"], (1, 64), generator=g)
+    ex = mine.experts
+    assert ex.takes_all(8) == packed and ex.all_includes_shared == packed and not ex.takes_all(1000)
     with torch.no_grad():
         y_ref = ref(x, ids)[0]
         y = mine(x[0], ids[0])
         torch.testing.assert_close(y, y_ref, atol=ATOL * y_ref.abs().max().item(), rtol=0)
+        y8 = mine(x[0, :8], ids[0, :8])
+        torch.testing.assert_close(y8, y_ref[:8], atol=ATOL * y_ref.abs().max().item(), rtol=0)
         assert (y_ref.abs().max() > 1.0) and ((y - mine.shared_experts(x[0])).abs().max() > 1e-2)
         # the clamp is active for these inputs (|w1 x| exceeds swiglu_limit somewhere)
         gate_up = mine.shared_experts.gate_up_proj(x[0])
         assert gate_up.abs().max() > cfg["swiglu_limit"]
         if fmt == "mxfp4":
             mine.experts.activation_quant = True
+            if packed:  # the shared expert (BF16 here) no longer joins the W4A4 pass: packed again, beside it
+                mine.pack()
+                assert ex.takes_all(8) and not ex.all_includes_shared
             y44 = mine(x[0], ids[0])
             # the emulation, written out: exact decode, MXFP4 rounding of each GEMM input, weight after w2
             w, e_ids = mine.gate(x[0], ids[0])
@@ -368,6 +383,8 @@ def test_moe_matches_hf(tmp_path, is_hash, fmt):
                     ref44[t] += w[t, k] * (mxfp4.fake_quant(h) @ w2.T)[0]
             torch.testing.assert_close(y44, ref44, atol=ATOL * ref44.abs().max().item(), rtol=0)
             assert (y44 - y).abs().max() > 1e-3  # W4A4 really rounds the activations
+            torch.testing.assert_close(mine(x[0, :8], ids[0, :8]), ref44[:8], atol=ATOL * ref44.abs().max().item(),
+                                       rtol=0)
 
 
 _TRUNCATING_KERNEL = """
@@ -439,8 +456,9 @@ def test_query_heads_rms_normalise_rounds_the_float32_formula_once(dtype):
     from vllm_dsv4_mtp.model.norm import rms_normalise
 
     g = torch.Generator().manual_seed(1)
-    for shape in [(1, 4, 128), (64, 4, 128), (3, 2, 64)]:
-        x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    # the last rows are small enough (rms ~1e-3) that eps = 1e-6 moves every value by a third
+    for shape, size in [((1, 4, 128), 3.0), ((64, 4, 128), 3.0), ((3, 2, 64), 3.0), ((8, 4, 128), 1e-3)]:
+        x = (torch.randn(*shape, generator=g) * size).to(dtype)
         xf = x.float()
         want = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)).to(dtype)
         got = rms_normalise(x, 1e-6)

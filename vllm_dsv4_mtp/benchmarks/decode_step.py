@@ -104,13 +104,19 @@ def generate(llm, prompts: list[list[int]], n: int) -> tuple[float, list[list[in
 
 
 def decode_step_ms(llm, prompts: list[list[int]], n_decode: int, reps: int) -> float:
-    """Median over ``reps`` of ``(t(N) - t(1)) / (N - 1)`` in ms."""
+    """Median over ``reps`` of ``(t(N) - t(1)) / (N - 1)`` in ms; an error if that is not positive (the two
+    runs' noise, the prefill's above all, exceeded ``N - 1`` decode steps: a larger ``N`` is needed)."""
     per_rep = []
     for _ in range(reps):
         one, _ = generate(llm, prompts, 1)
         full, _ = generate(llm, prompts, n_decode)
         per_rep.append(1000 * (full - one) / (n_decode - 1))
-    return statistics.median(per_rep)
+    ms = statistics.median(per_rep)
+    if ms <= 0:
+        raise RuntimeError(f"decode step measured {ms:.3f} ms over {n_decode - 1} steps (per repetition: "
+                           f"{[round(v, 3) for v in per_rep]}): timing noise exceeded the decode time; use a "
+                           "larger --decode")
+    return ms
 
 
 def question_prompts(ckpt: str, n: int) -> list[list[int]]:

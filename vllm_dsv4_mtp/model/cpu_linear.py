@@ -4,7 +4,8 @@ vLLM's own linears on CPU go through ``dispatch_cpu_unquantized_gemm`` once load
 where the CPU has one, else oneDNN or torch. The routed experts (``[E, N, K]``) and the grouped ``wo_a``
 (``[G, N, K]``) are batched parameters, whose batched bf16 matmuls cost 40-70 us a call on the CPUs measured
 against about 10 us for one packed slice; :func:`pack_weights` gives their modules one dispatched linear per
-slice after loading. Packing keeps the parameters (the packed copies add their bytes once more on CPU).
+slice after loading. Packing keeps the parameters (the packed copies add their bytes once more on CPU; the
+routed experts' all-expert pass, where a model takes it, one more packed copy of them).
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 def cpu_linear(weight: torch.Tensor) -> Linear:
-    """``x -> x @ weight.T`` for ``weight: [N, K]`` on CPU, through vLLM's CPU GEMM dispatch."""
+    """``x -> x @ weight.T`` for ``weight: [N, K]`` on CPU, through vLLM's CPU GEMM dispatch.
+
+    The dispatch drops its reference to ``weight`` when it packed a copy (its torch fallback keeps it), so a
+    ``weight`` made only for this linear (a concatenation) is freed, and a parameter's slice stays its module's."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     holder = nn.Module()
-    holder.weight = weight
-    dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
-    return lambda x: holder.cpu_linear(x, weight, None)
+    holder.weight = nn.Parameter(weight, requires_grad=False)
+    del weight
+    dispatch_cpu_unquantized_gemm(holder, remove_weight=True)
+    return lambda x: holder.cpu_linear(x, holder.weight, None)
 
 
 def plain_linears(weight: torch.Tensor) -> list[Linear]:

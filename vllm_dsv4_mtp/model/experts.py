@@ -32,8 +32,8 @@ from vllm_dsv4_mtp.model.cpu_linear import Linear, all_linear, plain_linears, sl
 
 # The all-expert pass (every expert's GEMMs over every token) while those cost at most this many multiply-adds;
 # under W4A4 a quarter of that, its MXFP4 rounding (~20 elementwise ops) running over every expert's rows too.
-# Measured on the embedded model's MoE (8 + 1 experts of 128 x 128, 2 cores): BF16 faster than the dispatch up to
-# ~160 tokens (3x at 16), W4A4 up to ~48.
+# Measured on the embedded model's MoE (8 + 1 experts of 128 x 128, one thread, router included): BF16 faster
+# than the dispatch up to ~190 tokens (2.7x at 16), W4A4 up to ~48.
 ALL_EXPERTS_MACS = 1 << 26
 ALL_EXPERTS_MACS_W4A4 = 1 << 24
 
@@ -130,7 +130,13 @@ class PortableExperts(nn.Module):
     def pack_all(self, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """After loading: the all-expert pass's two linears (:meth:`forward_all`), every local expert side by
         side, then ``shared = (w13 [2 I, D], w2 [D, I])`` (the shared expert, of this rank's width) as one
-        more: ``w13 [(E + 1) 2 I, D]``, ``w2 [D, (E + 1) I]``. Their bytes come once more (packed copies)."""
+        more: ``w13 [(E + 1) 2 I, D]``, ``w2 [D, (E + 1) I]``. Nothing is made for a MoE that would not take
+        the pass for a single token (DeepSeek-V4's own); otherwise its experts' bytes (and the shared expert's)
+        come once more, as vLLM's packed copy (on CPU the concatenated copy is dropped after packing)."""
+        n = self.local_experts + (shared is not None)
+        if not all_experts_pay(1, n, self.local_intermediate, self.hidden_size, w4a4=self.activation_quant):
+            self._all, self._all_shared = None, False
+            return
         w13, w2 = self.w13_weight.data, self.w2_weight.data
         if shared is not None:
             want = ((2 * self.local_intermediate, self.hidden_size), (self.hidden_size, self.local_intermediate))
@@ -139,7 +145,6 @@ class PortableExperts(nn.Module):
                                  f"expected {list(want)} (pack before vLLM's process_weights_after_loading)")
             w13 = torch.cat([w13, shared[0].data.to(w13.dtype).unsqueeze(0)])
             w2 = torch.cat([w2, shared[1].data.to(w2.dtype).unsqueeze(0)])
-        n = w13.shape[0]
         self._all_shared = shared is not None
         self._all = (
             all_linear(w13.reshape(n * 2 * self.local_intermediate, self.hidden_size)),
@@ -149,9 +154,14 @@ class PortableExperts(nn.Module):
     def takes_all(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` tokens runs :meth:`forward_all` (packed by :meth:`pack_all`, and
         :func:`all_experts_pay`)."""
-        return self._all is not None and all_experts_pay(
+        return self._all is not None and tokens > 0 and all_experts_pay(
             tokens, self.local_experts + self._all_shared, self.local_intermediate, self.hidden_size,
             w4a4=self.activation_quant)
+
+    @property
+    def all_includes_shared(self) -> bool:
+        """Whether :meth:`forward_all` adds the shared expert (it was packed with it)."""
+        return self._all_shared
 
     def forward_all(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     x_rounded: torch.Tensor | None = None) -> torch.Tensor:

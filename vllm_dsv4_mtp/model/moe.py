@@ -148,13 +148,12 @@ class DeepseekV4MoE(nn.Module):
         both = self.experts.activation_quant and self.shared_experts.activation_quant
         x_rounded = mxfp4.fake_quant(x) if both else None
         se, ex = self.shared_experts, self.experts
-        joins = self._shared_joins()
         if ex.takes_all(x.shape[0]):
             # few enough tokens and experts that computing every expert costs less than dispatching
             out = ex.forward_all(x, weights, ids, x_rounded)
-            if not joins:
+            if not ex.all_includes_shared:
                 out = out + se(x, x_rounded)
-        elif joins:
+        elif self._shared_joins():
             # the same SwiGLU and rounding: one pass over the routed and the shared rows (fewer small ops)
             out = ex(x, weights, ids, x_rounded, dense=(se.gate_up_proj, se.down_proj))
         else:

@@ -33,7 +33,7 @@ from vllm_dsv4_mtp.model.cpu_linear import Linear, all_linear, plain_linears, sl
 # The all-expert pass (every expert's GEMMs over every token) while those cost at most this many multiply-adds;
 # under W4A4 a quarter of that, its MXFP4 rounding (~20 elementwise ops) running over every expert's rows too.
 # Measured on the embedded model's MoE (8 + 1 experts of 128 x 128, one thread, router included): BF16 faster
-# than the dispatch up to ~190 tokens (2.7x at 16), W4A4 up to ~48.
+# than the dispatch up to ~190 tokens (2.7x at 16), W4A4 up to ~48; the budgets stop short of both (~150, ~40).
 ALL_EXPERTS_MACS = 1 << 26
 ALL_EXPERTS_MACS_W4A4 = 1 << 24
 

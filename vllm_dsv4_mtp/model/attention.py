@@ -36,7 +36,7 @@ from vllm.model_executor.layers.linear import (
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
 from vllm_dsv4_mtp.model.compressor import Compressor
-from vllm_dsv4_mtp.model.cpu_linear import Linear, all_linear, plain_linears, slice_linears
+from vllm_dsv4_mtp.model.cpu_linear import Linear, dispatched_linear, plain_linears, slice_linears
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
 from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
 from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entry_channels, layer_row_width
@@ -103,7 +103,7 @@ class GroupedLinear(nn.Module):
         w = self._grouped_weight()
         g, n, k = w.shape
         if g > 1 and g * n * g * k <= BLOCK_DIAGONAL_MAX:
-            self._linears = [all_linear(torch.block_diag(*w.data))]
+            self._linears = [dispatched_linear(torch.block_diag(*w.data))]
         else:
             self._linears = slice_linears(w)
 

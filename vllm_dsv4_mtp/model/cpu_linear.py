@@ -38,17 +38,15 @@ def plain_linears(weight: torch.Tensor) -> list[Linear]:
     return [lambda x, w=w: F.linear(x, w) for w in weight]
 
 
-def slice_linears(weight: torch.Tensor) -> list[Linear]:
-    """One linear per slice ``weight[i]: [N, K]`` of ``weight: [S, N, K]``: dispatched on CPU, else ``F.linear``."""
-    if weight.device.type != "cpu":
-        return plain_linears(weight)
-    return [cpu_linear(w) for w in weight.data]
-
-
-def all_linear(weight: torch.Tensor) -> Linear:
-    """One linear of ``weight: [N, K]`` (contiguous): dispatched on CPU, else ``F.linear``."""
+def dispatched_linear(weight: torch.Tensor) -> Linear:
+    """One linear of ``weight: [N, K]`` (made contiguous): dispatched on CPU, else ``F.linear``."""
     weight = weight.contiguous()
     return cpu_linear(weight) if weight.device.type == "cpu" else (lambda x: F.linear(x, weight))
+
+
+def slice_linears(weight: torch.Tensor) -> list[Linear]:
+    """One :func:`dispatched_linear` per slice ``weight[i]: [N, K]`` of ``weight: [S, N, K]``."""
+    return [dispatched_linear(w) for w in weight.data]
 
 
 def pack_weights(model: nn.Module) -> None:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.model.cpu_linear import Linear, all_linear, plain_linears, slice_linears
+from vllm_dsv4_mtp.model.cpu_linear import Linear, dispatched_linear, plain_linears, slice_linears
 
 # The all-expert pass (every expert's GEMMs over every token) while those cost at most this many multiply-adds;
 # under W4A4 a quarter of that, its MXFP4 rounding (~20 elementwise ops) running over every expert's rows too.
@@ -147,8 +147,8 @@ class PortableExperts(nn.Module):
             w2 = torch.cat([w2, shared[1].data.to(w2.dtype).unsqueeze(0)])
         self._all_shared = shared is not None
         self._all = (
-            all_linear(w13.reshape(n * 2 * self.local_intermediate, self.hidden_size)),
-            all_linear(w2.permute(1, 0, 2).reshape(self.hidden_size, n * self.local_intermediate)),
+            dispatched_linear(w13.reshape(n * 2 * self.local_intermediate, self.hidden_size)),
+            dispatched_linear(w2.permute(1, 0, 2).reshape(self.hidden_size, n * self.local_intermediate)),
         )
 
     def takes_all(self, tokens: int) -> bool:

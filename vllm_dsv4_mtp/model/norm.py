@@ -60,9 +60,5 @@ def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
     if x.device.type != "cpu":
         return norm(x)
     eps, weight = norm.variance_epsilon, norm.weight
-    if (x.dtype in _FUSED_DTYPES and weight.dtype == x.dtype
-            and fused_kernel_matches(x.dtype, x.shape[-1], eps)):
-        normed = _fused_normalise(x.contiguous(), eps)
-    else:
-        normed = _normalise(x, eps, weight.dtype)
+    normed = rms_normalise(x, eps) if weight.dtype == x.dtype else _normalise(x, eps, weight.dtype)
     return (normed * weight).to(x.dtype)

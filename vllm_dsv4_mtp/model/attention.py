@@ -42,6 +42,7 @@ from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
 from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.rope import layer_rope
 from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
+from vllm_dsv4_mtp.model.split_sums import all_reduce, wide_linear
 
 # the intermediates of one group of segments (masks, gathered keys, indexer scores) stay below this many elements
 GROUP_BUDGET = 1 << 23
@@ -174,6 +175,7 @@ class DeepseekV4Attention(nn.Module):
         )
         self.attn_sink = nn.Parameter(torch.empty(self.n_local_heads, dtype=torch.float32), requires_grad=False)
         self.attn_sink.weight_loader = self._load_sink  # type: ignore[attr-defined]
+        self._wo_b_wide: Linear | None = None  # float32 models: wo_b in float64, set by pack()
 
     def _build_compression(self, spec: DeepseekV4Spec, prefix: str) -> None:
         """The layer's rope (YaRN on compressed layers), its compressor (C4 / C128) and, on C4, the indexer."""
@@ -202,6 +204,10 @@ class DeepseekV4Attention(nn.Module):
         start = get_tensor_model_parallel_rank() * self.n_local_heads
         param.data.copy_(loaded[start : start + self.n_local_heads].float())
 
+    def pack(self) -> None:
+        """After loading: a float32 model's ``wo_b`` (a sum TP splits) in float64 (``model/split_sums.py``)."""
+        self._wo_b_wide = wide_linear(self.wo_b.weight)
+
     # ----------------------------------------------------------------------------------------------
     def project(self, x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-token projections. ``x: [T, D]``, ``rot``: the tokens' rope rotations -> ``q [T, H_local, d]``,
@@ -226,7 +232,9 @@ class DeepseekV4Attention(nn.Module):
         """Grouped low-rank output projection: ``o: [T, H_local, d]`` -> ``[T, D]`` (all-reduced over TP)."""
         t = o.shape[0]
         o = o.reshape(t, self.n_local_groups, -1)  # [T, G_local, (H/G) d]
-        return self.wo_b(self.wo_a(o))
+        if self._wo_b_wide is None:
+            return self.wo_b(self.wo_a(o))
+        return all_reduce(self._wo_b_wide(self.wo_a(o))).to(o.dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x: [T, D]`` (the normed sub-layer input) at ``positions: [T]`` -> ``[T, D]``.

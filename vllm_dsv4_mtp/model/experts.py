@@ -10,7 +10,7 @@ Parameters use the names and weight-loader signature of vLLM's fused experts (``
 [w1; w3] rows, ``w2_weight [E, D, I]``; ``weight_loader(param, w, name, shard_id, expert_id)``), so the one
 checkpoint loader fills them like vLLM's own. Tensor parallelism splits the intermediate dim; expert
 parallelism instead gives each rank ``E / world`` whole experts. Either way a rank returns a partial sum and
-the MoE all-reduces.
+the MoE all-reduces (a float32 model's in float64: ``model/split_sums.py``).
 
 Dispatch: the step's assignments are sorted by expert once; each hit expert then runs its two GEMMs on its
 contiguous run of rows, the SwiGLU (and the W4A4 rounding) once over all rows, the shared expert's included
@@ -29,6 +29,7 @@ from torch import nn
 
 from vllm_dsv4_mtp.formats import mxfp4
 from vllm_dsv4_mtp.model.cpu_linear import Linear, dispatched_linear, plain_linears, slice_linears
+from vllm_dsv4_mtp.model.split_sums import partial_dtype, wide_linear
 
 # The all-expert pass (every expert's GEMMs over every token) while those cost at most this many multiply-adds;
 # under W4A4 a quarter of that, its MXFP4 rounding (~20 elementwise ops) running over every expert's rows too.
@@ -44,6 +45,13 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
+
+
+def _down_linears(weight: torch.Tensor) -> list[Linear]:
+    """:func:`slice_linears` of down projections ``weight: [S, D, I]`` (sums tensor parallelism splits); for a
+    float32 model float64 ones instead (``model/split_sums.py``)."""
+    wide = [wide_linear(w) for w in weight.data]
+    return slice_linears(weight) if wide[0] is None else wide
 
 
 def all_experts_pay(tokens: int, experts: int, intermediate: int, hidden: int, *, w4a4: bool) -> bool:
@@ -124,8 +132,9 @@ class PortableExperts(nn.Module):
         return self._act(swiglu_clamped(gate, up, self.swiglu_limit))
 
     def pack(self) -> None:
-        """After loading: each expert's ``w13`` and ``w2`` as a linear of its own (``model/cpu_linear.py``)."""
-        self._linears = list(zip(slice_linears(self.w13_weight), slice_linears(self.w2_weight)))
+        """After loading: each expert's ``w13`` and ``w2`` as a linear of its own (``model/cpu_linear.py``;
+        a float32 model's ``w2``, a sum TP splits, in float64: ``model/split_sums.py``)."""
+        self._linears = list(zip(slice_linears(self.w13_weight), _down_linears(self.w2_weight)))
 
     def pack_all(self, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """After loading: the all-expert pass's two linears (:meth:`forward_all`), every local expert side by
@@ -148,7 +157,7 @@ class PortableExperts(nn.Module):
         self._all_shared = shared is not None
         self._all = (
             dispatched_linear(w13.reshape(n * 2 * self.local_intermediate, self.hidden_size)),
-            dispatched_linear(w2.permute(1, 0, 2).reshape(self.hidden_size, n * self.local_intermediate)),
+            _down_linears(w2.permute(1, 0, 2).reshape(1, self.hidden_size, n * self.local_intermediate))[0],
         )
 
     def takes_all(self, tokens: int) -> bool:
@@ -171,7 +180,7 @@ class PortableExperts(nn.Module):
         one ``w2`` GEMM whose sum over experts is the routed sum (plus the shared expert's output). The same
         function as the per-expert dispatch with no index, sort or per-expert call; it rounds each scaled row
         to ``x.dtype`` where the dispatch rounds each expert's output (the same bound; float32 unchanged to
-        its rounding). ``x: [T, D]`` -> ``[T, D]`` in ``x.dtype``."""
+        its rounding). ``x: [T, D]`` -> this rank's part ``[T, D]`` in ``partial_dtype(x.dtype)``."""
         t, k = ids.shape
         n, i = self.local_experts, self.local_intermediate
         local = ids - self.first_expert if self.first_expert else ids
@@ -198,16 +207,16 @@ class PortableExperts(nn.Module):
                 gate.clamp_(max=self.swiglu_limit)
                 up.clamp_(min=-self.swiglu_limit, max=self.swiglu_limit)
             a = F.silu(gate, inplace=True).mul_(up)  # [T, n, I], in h
-        return self._all[1](a.mul_(w.unsqueeze(-1)).to(x.dtype).reshape(t, n * i))
+        return self._all[1](a.mul_(w.unsqueeze(-1)).to(x.dtype).reshape(t, n * i)).to(partial_dtype(x.dtype))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 x_rounded: torch.Tensor | None = None, dense: tuple[Linear, Linear] | None = None) -> torch.Tensor:
         """``x: [T, D]``, ``weights: [T, k]`` float32, ``ids: [T, k]`` global expert ids -> ``[T, D]``
-        (this rank's partial sum of ``sum_k weights[:, k] * expert_{ids[:, k]}(x)``). ``x_rounded``: ``x``
-        already rounded to MXFP4 (the MoE rounds it once for its routed and shared experts). ``dense``: the
-        ``(w13, w2)`` linears of an expert every token goes through with weight 1 (the shared expert, of this
-        rank's width and rounding), whose SwiGLU and rounding then run with the routed rows': its output is
-        added to the routed sum in ``x.dtype``, as a separate module's would be."""
+        in ``partial_dtype(x.dtype)`` (this rank's part of ``sum_k weights[:, k] * expert_{ids[:, k]}(x)``).
+        ``x_rounded``: ``x`` already rounded to MXFP4 (the MoE rounds it once for its routed and shared experts).
+        ``dense``: the ``(w13, w2)`` linears of an expert every token goes through with weight 1 (the shared
+        expert, of this rank's width and rounding), whose SwiGLU and rounding then run with the routed rows':
+        its output is added to the routed sum in ``partial_dtype(x.dtype)``, as a separate module's would be."""
         t, k = ids.shape
         local = ids.reshape(-1) - self.first_expert
         token = torch.arange(t * k, device=x.device) // k
@@ -215,9 +224,10 @@ class PortableExperts(nn.Module):
         if self.local_experts < self.num_experts:  # expert parallel: only this rank's experts
             keep = ((local >= 0) & (local < self.local_experts)).nonzero().squeeze(-1)
             local, token, weight = local[keep], token[keep], weight[keep]
-        out = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
+        part = partial_dtype(x.dtype)
+        out = torch.zeros(t, x.shape[-1], dtype=torch.promote_types(part, torch.float32), device=x.device)
         if not local.numel() and dense is None:
-            return out.to(x.dtype)
+            return out.to(part)
         xq = x_rounded if x_rounded is not None else self._act(x)
         counts = [0] * self.local_experts
         if local.numel():
@@ -226,8 +236,8 @@ class PortableExperts(nn.Module):
             counts = torch.bincount(local, minlength=self.local_experts).tolist()
         y, y_dense = self._run(xq[token], counts, xq if dense is not None else None, dense)
         if local.numel():
-            out.index_add_(0, token, y.float() * weight.unsqueeze(-1))
-        return out.to(x.dtype) if y_dense is None else out.to(x.dtype) + y_dense
+            out.index_add_(0, token, y.to(out.dtype) * weight.unsqueeze(-1))
+        return out.to(part) if y_dense is None else out.to(part) + y_dense
 
     def _run(self, xs: torch.Tensor, counts: list[int], dense_x: torch.Tensor | None = None,
              dense: tuple[Linear, Linear] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -17,16 +17,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from vllm.distributed import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-    tensor_model_parallel_all_reduce,
-)
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.formats import mxfp4
+from vllm_dsv4_mtp.model.cpu_linear import Linear
 from vllm_dsv4_mtp.model.experts import PortableExperts, swiglu_clamped
+from vllm_dsv4_mtp.model.split_sums import all_reduce, partial_dtype, wide_linear
 
 _SCORE_FUNCS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
@@ -93,14 +91,25 @@ class SharedExpert(nn.Module):
         self.swiglu_limit = swiglu_limit
         self.activation_quant = activation_quant
         self.local_intermediate = intermediate_size // get_tensor_model_parallel_world_size()
+        self._down_wide: Linear | None = None  # float32 models: down_proj in float64, set by pack()
+
+    def pack(self) -> None:
+        """After loading: a float32 model's ``down_proj`` (a sum TP splits) in float64 (``model/split_sums.py``)."""
+        self._down_wide = wide_linear(self.down_proj.weight)
+
+    @property
+    def down(self) -> Linear:
+        """``down_proj`` as this rank computes its part: ``[T, I_local]`` -> ``[T, D]`` (float32 models: float64)."""
+        return self.down_proj if self._down_wide is None else self._down_wide
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         return mxfp4.fake_quant(x) if self.activation_quant else x
 
     def forward(self, x: torch.Tensor, x_rounded: torch.Tensor | None = None) -> torch.Tensor:
-        """``x: [T, D]`` -> ``[T, D]``; ``x_rounded``: ``x`` already rounded to MXFP4 (W4A4 only)."""
+        """``x: [T, D]`` -> this rank's part ``[T, D]`` in ``partial_dtype(x.dtype)`` (not yet all-reduced);
+        ``x_rounded``: ``x`` already rounded to MXFP4 (W4A4 only)."""
         gate, up = self.gate_up_proj(x_rounded if x_rounded is not None else self._act(x)).chunk(2, dim=-1)
-        return self.down_proj(self._act(swiglu_clamped(gate, up, self.swiglu_limit)))
+        return self.down(self._act(swiglu_clamped(gate, up, self.swiglu_limit))).to(partial_dtype(x.dtype))
 
 
 class DeepseekV4MoE(nn.Module):
@@ -155,9 +164,8 @@ class DeepseekV4MoE(nn.Module):
                 out = out + se(x, x_rounded)
         elif self._shared_joins():
             # the same SwiGLU and rounding: one pass over the routed and the shared rows (fewer small ops)
-            out = ex(x, weights, ids, x_rounded, dense=(se.gate_up_proj, se.down_proj))
+            out = ex(x, weights, ids, x_rounded, dense=(se.gate_up_proj, se.down))
         else:
             out = ex(x, weights, ids, x_rounded) + se(x, x_rounded)
-        if self.tp_size > 1:
-            out = tensor_model_parallel_all_reduce(out)
-        return out
+        # the ranks' parts, summed in partial_dtype (float32 models: float64) and rounded once
+        return all_reduce(out).to(x.dtype)

@@ -1,15 +1,18 @@
-"""The float64 parts of the sums tensor parallelism splits (``model/split_sums.py``), and where the model uses them.
+"""The float64 parts of the sums tensor parallelism splits (``model/split_sums.py``), and the routed experts' use.
 
-The engine-level check is ``tests/test_tensor_parallel.py`` (TP2 against TP1 through vLLM); here the arithmetic:
-a float32 sum split in two parts and added in float32 differs from the whole sum in some elements, while the same
-parts in float64, rounded once, equal the whole sum rounded once.
+The engine-level check is ``tests/test_tensor_parallel.py`` (TP2 against TP1 through vLLM, attention and shared
+expert included); here the arithmetic: a float32 sum split in two parts and added in float32 differs from the
+whole sum in some elements, while the same parts in float64, rounded once, equal the whole sum rounded once; and
+the routed experts' two tensor- or expert-parallel ranks, packed as the model loads them, add up to one rank's
+result bit for bit, on the all-expert pass and on the dispatch.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from vllm_dsv4_mtp.model import split_sums
+from vllm_dsv4_mtp.model import experts, split_sums
 
 
 def _split_and_whole(linear_for, x, w, halves):
@@ -47,3 +50,44 @@ def test_only_float32_models_widen():
 def test_single_rank_all_reduce_is_the_identity(vllm_dist):
     t = torch.randn(3, 5, dtype=torch.float64)
     assert split_sums.all_reduce(t) is t
+
+
+def _experts(weights, dtype, **tp):
+    e, d, i = len(weights), weights[0]["w2"].shape[0], weights[0]["w2"].shape[1]
+    ex = experts.PortableExperts(e, d, i, 10.0, dtype=dtype, **tp)
+    for n, shards in enumerate(weights):
+        for shard, w in shards.items():
+            param = ex.w2_weight if shard == "w2" else ex.w13_weight
+            param.weight_loader(param, w.to(dtype), f"experts.{n}.{shard}.weight", shard_id=shard, expert_id=n)
+    return ex
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_add_up_to_one_rank_bit_for_bit(expert_parallel):
+    """float32, packed: the two ranks' float64 parts, summed and rounded once, are one rank's result exactly (the
+    dispatch and the all-expert pass, at 7 and 300 tokens). Unpacked, a tensor-parallel rank rounds each
+    expert's half of the sum to float32 before the ranks add them, and they no longer add up exactly (expert
+    parallel ranks hold whole experts: their dispatch splits no expert's sum)."""
+    g = torch.Generator().manual_seed(11)
+    E, D, I = 8, 64, 64
+    weights = [{"w1": torch.randn(I, D, generator=g), "w3": torch.randn(I, D, generator=g),
+                "w2": torch.randn(D, I, generator=g)} for _ in range(E)]
+    whole = _experts(weights, torch.float32)
+    ranks = [_experts(weights, torch.float32, tp_rank=r, tp_size=2, expert_parallel=expert_parallel)
+             for r in range(2)]
+    for tokens in (7, 300):
+        x = torch.randn(tokens, D, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
+        ws = torch.rand(tokens, 2, generator=g)
+        if not expert_parallel:
+            unpacked = whole(x, ws, ids).float(), (ranks[0](x, ws, ids) + ranks[1](x, ws, ids)).float()
+            assert not torch.equal(*unpacked), tokens
+        for ex in (whole, *ranks):
+            ex.pack()
+            ex.pack_all()
+        for run in (lambda ex: ex(x, ws, ids), lambda ex: ex.forward_all(x, ws, ids)):
+            one, parts = run(whole), [run(ex) for ex in ranks]
+            assert one.dtype == parts[0].dtype == torch.float64
+            assert torch.equal((parts[0] + parts[1]).float(), one.float()), tokens
+        for ex in (whole, *ranks):
+            ex._linears, ex._all = None, None

@@ -6,9 +6,10 @@ binding asserts one NUMA node per rank). On the embedded BF16 checkpoint in floa
 prompt log-probabilities must agree within 5e-6. The sums the ranks split (``wo_b``, the MoE's down projections)
 run in float64 for a float32 model and are rounded once, after the all-reduce (``model/split_sums.py``). Added in
 float32, the ranks' parts moved the top-1 log-probabilities by 5.2e-6 to 6.6e-6 (measured 2026-12-01 and -02); in
-float64 by at most 6e-7 (2026-12-02). The prompt tokens' own log-probabilities, near -16 to -19 for random
-prompts, still differ by a few float32 ulps of that size (up to 6.7e-6, 6e-7 relative; 1.3e-5 before), so their
-bound is relative: 1e-6. Each configuration runs in its own process, as a user's server would.
+float64 by at most 6e-7 (2026-12-02). The prompt tokens' own log-probabilities (-11 to -28 for these random
+prompts) still differ by a few float32 ulps of their size: up to 6.7e-6, 6.0e-7 relative (before: 1.3e-5 and
+1.0e-6 on 2026-12-02, 1.3e-6 relative on 2026-12-01), so their bound is relative: 1e-6. Each configuration
+runs in its own process, as a user's server would.
 """
 
 from __future__ import annotations

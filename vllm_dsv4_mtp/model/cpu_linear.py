@@ -4,8 +4,9 @@ vLLM's own linears on CPU go through ``dispatch_cpu_unquantized_gemm`` once load
 where the CPU has one, else oneDNN or torch. The routed experts (``[E, N, K]``) and the grouped ``wo_a``
 (``[G, N, K]``) are batched parameters, whose batched bf16 matmuls cost 40-70 us a call on the CPUs measured
 against about 10 us for one packed slice; :func:`pack_weights` gives their modules one dispatched linear per
-slice after loading. Packing keeps the parameters (the packed copies add their bytes once more on CPU; the
-routed experts' all-expert pass, where a model takes it, one more packed copy of them).
+slice after loading (a float32 model's down projections get float64 linears instead: ``model/split_sums.py``).
+Packing keeps the parameters (the packed copies add their bytes once more on CPU; the routed experts'
+all-expert pass, where a model takes it, one more packed copy of them).
 """
 
 from __future__ import annotations

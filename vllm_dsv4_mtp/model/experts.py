@@ -15,7 +15,8 @@ the MoE all-reduces (a float32 model's in float64: ``model/split_sums.py``).
 Dispatch: the step's assignments are sorted by expert once; each hit expert then runs its two GEMMs on its
 contiguous run of rows, the SwiGLU (and the W4A4 rounding) once over all rows, the shared expert's included
 where it has the routed experts' width and rounding (``dense`` in :meth:`PortableExperts.forward`). After
-loading, :meth:`pack` gives each expert's matrices vLLM's CPU GEMM dispatch (``model/cpu_linear.py``).
+loading, :meth:`pack` gives each expert's matrices vLLM's CPU GEMM dispatch (``model/cpu_linear.py``; a
+float32 model's ``w2`` a float64 linear instead, ``model/split_sums.py``).
 Where every expert's GEMMs over every token cost little (small experts, few tokens: :meth:`takes_all`),
 :meth:`forward_all` instead runs all experts, the shared one among them, as two GEMMs with the routing weights
 applied between them (0 for an expert a token did not pick): no sort, index or per-expert call.
@@ -179,8 +180,9 @@ class PortableExperts(nn.Module):
         scaled by the token's routing weight (0 where not routed, 1 for the shared expert) in float32, then
         one ``w2`` GEMM whose sum over experts is the routed sum (plus the shared expert's output). The same
         function as the per-expert dispatch with no index, sort or per-expert call; it rounds each scaled row
-        to ``x.dtype`` where the dispatch rounds each expert's output (the same bound; float32 unchanged to
-        its rounding). ``x: [T, D]`` -> this rank's part ``[T, D]`` in ``partial_dtype(x.dtype)``."""
+        to ``x.dtype`` where the dispatch rounds each expert's output (the same bound; in float32 neither
+        rounds there: the dispatch keeps each output in float64, the pass's scaled rows are float32 already).
+        ``x: [T, D]`` -> this rank's part ``[T, D]`` in ``partial_dtype(x.dtype)``."""
         t, k = ids.shape
         n, i = self.local_experts, self.local_intermediate
         local = ids - self.first_expert if self.first_expert else ids

@@ -7,7 +7,11 @@ log-probabilities 6.6e-6 off TP1's). For a float32 model, the dtype parity is me
 run in float64 on a float64 copy of their weights; the parts are all-reduced in float64 and rounded to float32
 once, after the sum, so the order of the parts no longer shows (TP2 within 6e-7 of TP1). Models in other dtypes
 keep vLLM's kernels and all-reduce: a BF16 part's own rounding is far coarser than the order of its additions.
-The float64 copies hold those weights' bytes twice more, float32 models only.
+
+Cost, float32 models only (TP1 included): these GEMMs run as plain float64 ``F.linear`` calls, and under TP each
+layer's two all-reduces go through gloo. Memory: the routed experts' float64 ``w2`` copies replace their packed
+float32 ones (their bytes once more); ``wo_b`` and the shared expert's ``down_proj`` keep vLLM's packed float32
+copy, unused, beside the float64 one (their bytes twice more).
 """
 
 from __future__ import annotations
@@ -31,15 +35,18 @@ def wide_linear(weight: torch.Tensor) -> Linear | None:
     other dtypes, whose linears stay vLLM's. Copies ``weight``: vLLM's CPU dispatch may drop it after loading."""
     if weight.dtype != torch.float32:
         return None
+    if weight.numel() == 0:
+        raise ValueError("wide_linear: the weight is empty (vLLM's CPU dispatch drops a packed layer's weight): "
+                         "pack before vLLM's process_weights_after_loading")
     wide = weight.detach().to(WIDE)
     return lambda x: F.linear(x.to(WIDE), wide)
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
     """The sum of ``t`` over the tensor-parallel group (``t`` itself on one rank). A float64 part goes through
-    torch.distributed on the group's own process groups (gloo on CPU): vLLM's CPU all-reduce is a shared-memory
-    kernel made for the model dtypes, and a float64 all-reduce through it stopped the engine in one of four
-    TP2 runs here."""
+    torch.distributed on the group's own process groups (gloo on CPU, which sums float64), not through vLLM's
+    CPU communicator: that may use its shared-memory kernel, made for the model dtypes, and one of four TP2
+    runs that all-reduced float64 through it stopped the engine here (its cause not traced)."""
     from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group, tensor_model_parallel_all_reduce
 
     if get_tensor_model_parallel_world_size() == 1:

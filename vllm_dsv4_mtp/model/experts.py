@@ -48,11 +48,10 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate) * up
 
 
-def _down_linears(weight: torch.Tensor) -> list[Linear]:
-    """:func:`slice_linears` of down projections ``weight: [S, D, I]`` (sums tensor parallelism splits); for a
-    float32 model float64 ones instead (``model/split_sums.py``)."""
-    wide = [wide_linear(w) for w in weight.data]
-    return slice_linears(weight) if wide[0] is None else wide
+def _down_linear(weight: torch.Tensor) -> Linear:
+    """A down projection ``weight: [D, I]`` (a sum tensor parallelism splits): :func:`dispatched_linear`, or for
+    a float32 model a float64 one (``model/split_sums.py``)."""
+    return wide_linear(weight) or dispatched_linear(weight)
 
 
 def all_experts_pay(tokens: int, experts: int, intermediate: int, hidden: int, *, w4a4: bool) -> bool:
@@ -135,7 +134,7 @@ class PortableExperts(nn.Module):
     def pack(self) -> None:
         """After loading: each expert's ``w13`` and ``w2`` as a linear of its own (``model/cpu_linear.py``;
         a float32 model's ``w2``, a sum TP splits, in float64: ``model/split_sums.py``)."""
-        self._linears = list(zip(slice_linears(self.w13_weight), _down_linears(self.w2_weight)))
+        self._linears = list(zip(slice_linears(self.w13_weight), map(_down_linear, self.w2_weight.data)))
 
     def pack_all(self, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """After loading: the all-expert pass's two linears (:meth:`forward_all`), every local expert side by
@@ -158,7 +157,7 @@ class PortableExperts(nn.Module):
         self._all_shared = shared is not None
         self._all = (
             dispatched_linear(w13.reshape(n * 2 * self.local_intermediate, self.hidden_size)),
-            _down_linears(w2.permute(1, 0, 2).reshape(1, self.hidden_size, n * self.local_intermediate))[0],
+            _down_linear(w2.permute(1, 0, 2).reshape(self.hidden_size, n * self.local_intermediate)),
         )
 
     def takes_all(self, tokens: int) -> bool:
@@ -209,7 +208,7 @@ class PortableExperts(nn.Module):
                 gate.clamp_(max=self.swiglu_limit)
                 up.clamp_(min=-self.swiglu_limit, max=self.swiglu_limit)
             a = F.silu(gate, inplace=True).mul_(up)  # [T, n, I], in h
-        return self._all[1](a.mul_(w.unsqueeze(-1)).to(x.dtype).reshape(t, n * i)).to(partial_dtype(x.dtype))
+        return self._all[1](a.mul_(w.unsqueeze(-1)).to(x.dtype).reshape(t, n * i))  # partial_dtype: _down_linear
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 x_rounded: torch.Tensor | None = None, dense: tuple[Linear, Linear] | None = None) -> torch.Tensor:

@@ -125,7 +125,6 @@ class DeepseekV4MoE(nn.Module):
                  shared_w4a4: bool = False, expert_parallel: bool = False):
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
-        self.tp_size = tp_size
         self.gate = Router(
             spec.hidden_size, spec.n_routed_experts, spec.num_experts_per_tok, spec.vocab_size,
             is_hash=spec.is_hash_layer(layer_id), scoring_func=spec.scoring_func,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group, tensor_model_parallel_all_reduce
 
 from vllm_dsv4_mtp.model.cpu_linear import Linear
 
@@ -47,8 +48,6 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
     torch.distributed on the group's own process groups (gloo on CPU, which sums float64), not through vLLM's
     CPU communicator: that may use its shared-memory kernel, made for the model dtypes, and one of four TP2
     runs that all-reduced float64 through it stopped the engine here (its cause not traced)."""
-    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group, tensor_model_parallel_all_reduce
-
     if get_tensor_model_parallel_world_size() == 1:
         return t
     if t.dtype != WIDE:

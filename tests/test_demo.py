@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -16,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import procs
 
 from vllm_dsv4_mtp import embedded
 from vllm_dsv4_mtp.cli import main
@@ -130,8 +130,7 @@ def test_demo_without_the_embedded_checkpoint_says_pass_model(monkeypatch, tmp_p
 @pytest.mark.engine
 def test_demo_end_to_end(tmp_path):
     n = 2
-    r = subprocess.run([DSV4_MTP, "demo", "--num-problems", str(n), "--log-dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=1500)
+    r = procs.run([DSV4_MTP, "demo", "--num-problems", str(n), "--log-dir", str(tmp_path)], timeout=1500)
     out = r.stdout
     assert r.returncode == 0, out[-4000:] + r.stderr[-4000:]
     # the shipped checkpoint, never a stand-in

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+import procs
 
 from vllm_dsv4_mtp.embedded import FEWSHOT_JSONL, TEST_JSONL
 from vllm_dsv4_mtp.evaluate import common
@@ -223,9 +224,9 @@ def test_eval_local_task_against_server(server, tmp_path):
     from vllm_dsv4_mtp.evaluate.client import complete
 
     out = tmp_path / "eval"
-    r = subprocess.run([DSV4_MTP, "eval", "--base-url", server.base_url, "--task", "local", "--limit", "3",
-                        "--num-fewshot", "2", "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out),
-                        "--json"], capture_output=True, text=True, timeout=900)
+    r = procs.run([DSV4_MTP, "eval", "--base-url", server.base_url, "--task", "local", "--limit", "3",
+                  "--num-fewshot", "2", "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out),
+                  "--json"], timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert res["lm_eval_command"].startswith("HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 lm_eval --model local-completions "
@@ -263,10 +264,9 @@ def test_ab_over_running_servers_compares_every_answer(server, tmp_path):
     """--ab over servers given by URL (here the same one twice): both runs scored, MTP read from /metrics, and
     every answer compared with the baseline's (greedy, one request at a time: all identical)."""
     out = tmp_path / "ab"
-    r = subprocess.run([DSV4_MTP, "eval", "--ab", "--task", "local", "--server", f"first={server.base_url}",
-                        "--server", f"again={server.base_url}/v1", "--limit", "3", "--num-fewshot", "2",
-                        "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out)],
-                       capture_output=True, text=True, timeout=900)
+    r = procs.run([DSV4_MTP, "eval", "--ab", "--task", "local", "--server", f"first={server.base_url}",
+                  "--server", f"again={server.base_url}/v1", "--limit", "3", "--num-fewshot", "2",
+                  "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out)], timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     mtp = f"K={K}"
     rows = [line for line in r.stdout.splitlines() if line.startswith(("| first |", "| again |"))]

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import procs
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec, weight_slots
 from vllm_dsv4_mtp.gfx950.plan import in_tree_param_map
@@ -28,8 +28,7 @@ WORKER = Path(__file__).with_name("in_tree_tp_worker.py")
 
 
 def _run_worker(world: int, out: Path, mode: str, dirs: list[Path]) -> None:
-    p = subprocess.run([sys.executable, str(WORKER), str(world), str(out), mode, *map(str, dirs)],
-                       capture_output=True, text=True, timeout=900)
+    p = procs.run([sys.executable, str(WORKER), str(world), str(out), mode, *map(str, dirs)], timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
 
 

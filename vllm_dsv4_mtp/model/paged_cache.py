@@ -93,6 +93,18 @@ def entry_channels(compress_ratio: int, head_dim: int, index_head_dim: int) -> d
     return out
 
 
+# On CPU, vLLM's unpadded draft path (0.32; 0.33's prepare_inputs reads the same) hands each draft call metadata whose
+# seq_lens is the tensor it also keeps as seq_lens_cpu_upper_bound (seen in 0.32 at the draft after a prefill; e.g.
+# llm_base_proposer.prepare_inputs uses async_tensor_h2d, which returns a CPU tensor itself), and each later draft
+# step increments both (eagle_step_update_slot_mapping_and_metadata, then "+= 1"): from the second draft token on,
+# every sequence would be one key position too long. The padded path (the default) keeps them apart.
+UNPADDED_DRAFTS_ON_CPU = (
+    "speculative_config.disable_padded_drafter_batch=True is not supported on CPU: vLLM's unpadded draft path "
+    "makes the draft's seq_lens on CPU the same tensor as its seq_lens_cpu_upper_bound and increments both at every "
+    "draft step, so from the second draft token on each sequence length is one too long; leave "
+    "disable_padded_drafter_batch unset (the default padded path)")
+
+
 class PortableAttentionMetadataBuilder(AttentionMetadataBuilder[PortableAttentionMetadata]):
     """Turns vLLM's ``CommonAttentionMetadata`` into :class:`PortableAttentionMetadata` (host addressing)."""
 
@@ -103,6 +115,9 @@ class PortableAttentionMetadataBuilder(AttentionMetadataBuilder[PortableAttentio
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        spec = vllm_config.speculative_config
+        if spec is not None and spec.disable_padded_drafter_batch and torch.device(device).type == "cpu":
+            raise ValueError(UNPADDED_DRAFTS_ON_CPU)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False

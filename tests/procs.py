@@ -30,13 +30,24 @@ def run(argv: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         procs = processes()
-        os.killpg(p.pid, signal.SIGKILL)
+        _kill_session(p)
         out, err = p.communicate()
         pytest.fail(f"{argv[:4]}... did not finish in {timeout:.0f} s (ran {time.monotonic() - t0:.0f} s; killed "
                     f"with its session)\nload average {os.getloadavg()}; processes at the timeout:\n{procs}\n"
                     f"--- its stdout, last {TAIL} characters:\n{out[-TAIL:]}\n"
                     f"--- its stderr, last {TAIL} characters:\n{err[-TAIL:]}", pytrace=False)
+    except BaseException:  # e.g. Ctrl-C: no engine left running either
+        _kill_session(p)
+        p.wait()
+        raise
     return subprocess.CompletedProcess(argv, p.returncode, out, err)
+
+
+def _kill_session(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the session has already ended
+        pass
 
 
 def processes() -> str:

@@ -81,7 +81,7 @@ def server(start_server, embedded_mxfp4):
 def test_bench_sweep_against_server(server, tmp_path):
     out = tmp_path / "bench"
     r = procs.run([DSV4_MTP, "bench", "--base-url", server.base_url, "--concurrency", "1,2",
-                  "--num-requests", "3", "--max-tokens", "12", "--out", str(out)], timeout=900)
+                   "--num-requests", "3", "--max-tokens", "12", "--out", str(out)], timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = json.loads((out / "bench.json").read_text())
     assert rep["machine"]["cores"] >= 1 and rep["max_tokens"] == 12 and rep["temperature"] == 0.0

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.engine
 def test_decode_step_prints_the_plugin_against_the_floor_of_the_same_run(tmp_path):
     out = tmp_path / "decode.json"
     r = procs.run([sys.executable, "-m", "vllm_dsv4_mtp.benchmarks.decode_step", "--models", "floor", "bf16",
-                  "--batches", "1", "2", "--contexts", "100", "300", "--reps", "1", "--decode", "17",
-                  "--no-mtp", "--json", str(out)], timeout=900)
+                   "--batches", "1", "2", "--contexts", "100", "300", "--reps", "1", "--decode", "17",
+                   "--no-mtp", "--json", str(out)], timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())
     floor, bf16 = result["results"]
@@ -40,7 +40,7 @@ def test_decode_step_measures_the_floors_own_k2_step_with_a_one_layer_draft(tmp_
     K=2 step's cost in MTP-off steps is vLLM's speculative decoding alone at this size."""
     out = tmp_path / "floor.json"
     r = procs.run([sys.executable, "-m", "vllm_dsv4_mtp.benchmarks.decode_step", "--models", "floor",
-                  "--batches", "1", "--contexts", "100", "--reps", "1", "--decode", "17", "--json", str(out)],
+                   "--batches", "1", "--contexts", "100", "--reps", "1", "--decode", "17", "--json", str(out)],
                   timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (floor,) = json.loads(out.read_text())["results"]

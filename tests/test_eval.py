@@ -225,8 +225,8 @@ def test_eval_local_task_against_server(server, tmp_path):
 
     out = tmp_path / "eval"
     r = procs.run([DSV4_MTP, "eval", "--base-url", server.base_url, "--task", "local", "--limit", "3",
-                  "--num-fewshot", "2", "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out),
-                  "--json"], timeout=900)
+                   "--num-fewshot", "2", "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out),
+                   "--json"], timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert res["lm_eval_command"].startswith("HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 lm_eval --model local-completions "
@@ -265,8 +265,8 @@ def test_ab_over_running_servers_compares_every_answer(server, tmp_path):
     every answer compared with the baseline's (greedy, one request at a time: all identical)."""
     out = tmp_path / "ab"
     r = procs.run([DSV4_MTP, "eval", "--ab", "--task", "local", "--server", f"first={server.base_url}",
-                  "--server", f"again={server.base_url}/v1", "--limit", "3", "--num-fewshot", "2",
-                  "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out)], timeout=900)
+                   "--server", f"again={server.base_url}/v1", "--limit", "3", "--num-fewshot", "2",
+                   "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out)], timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     mtp = f"K={K}"
     rows = [line for line in r.stdout.splitlines() if line.startswith(("| first |", "| again |"))]

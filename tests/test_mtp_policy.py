@@ -290,16 +290,23 @@ def test_engine_start_without_mtp_weights_fails_naming_the_checkpoint(ckpts):
 
 
 @pytest.mark.engine
-def test_engine_start_with_unpadded_drafts_on_cpu_is_refused():
-    """``disable_padded_drafter_batch`` on CPU: vLLM's unpadded draft path would give every draft token after the
-    first a sequence length one too long (``model/paged_cache.py``); the engine refuses to start, naming the
-    field, instead of failing at the first request's second draft token."""
+def test_unpadded_drafts_on_cpu_are_refused_at_engine_start_from_two_draft_tokens():
+    """``disable_padded_drafter_batch`` on CPU: vLLM's unpadded draft path would make each draft token after the
+    first see a sequence one more position too long (``model/paged_cache.py``). With K = 2 the engine refuses to
+    start, naming the field, instead of failing at the first request's second draft token; with K = 1 (no second
+    draft token) it serves."""
+    from vllm import SamplingParams
+
     from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR
     from vllm_dsv4_mtp.model.paged_cache import UNPADDED_DRAFTS_ON_CPU
 
+    kw = dict(in_process=True, dtype="bfloat16", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True)
     spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": True}
     with pytest.raises(ValueError) as e:
-        with vllm_engine(BF16_CHECKPOINT_DIR, in_process=True, dtype="bfloat16", enforce_eager=True,
-                         max_model_len=256, skip_tokenizer_init=True, speculative_config=spec):
+        with vllm_engine(BF16_CHECKPOINT_DIR, speculative_config=spec, **kw):
             pass  # not reached: the engine must not start
     assert str(e.value) == UNPADDED_DRAFTS_ON_CPU
+    with vllm_engine(BF16_CHECKPOINT_DIR, speculative_config={**spec, "num_speculative_tokens": 1}, **kw) as llm:
+        sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
+        (out,) = llm.generate([{"prompt_token_ids": list(range(3, 40))}], sp, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 12

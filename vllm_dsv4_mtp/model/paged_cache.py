@@ -93,16 +93,16 @@ def entry_channels(compress_ratio: int, head_dim: int, index_head_dim: int) -> d
     return out
 
 
-# On CPU, vLLM's unpadded draft path (0.32; 0.33's prepare_inputs reads the same) hands each draft call metadata whose
-# seq_lens is the tensor it also keeps as seq_lens_cpu_upper_bound (seen in 0.32 at the draft after a prefill; e.g.
-# llm_base_proposer.prepare_inputs uses async_tensor_h2d, which returns a CPU tensor itself), and each later draft
-# step increments both (eagle_step_update_slot_mapping_and_metadata, then "+= 1"): from the second draft token on,
-# every sequence would be one key position too long. The padded path (the default) keeps them apart.
+# On CPU, vLLM's unpadded draft path (0.32; 0.33's prepare_inputs reads the same) hands the draft metadata whose
+# seq_lens is the tensor it also keeps as seq_lens_cpu_upper_bound (llm_base_proposer.prepare_inputs makes it with
+# async_tensor_h2d, which on CPU returns its input; seen in 0.32), and each later draft step of one call increments
+# both (eagle_step_update_slot_mapping_and_metadata, then "+= 1"): the k-th draft token's sequence would be k - 1
+# positions too long. The padded path (the default) keeps them apart; with one draft token there is no later step.
 UNPADDED_DRAFTS_ON_CPU = (
-    "speculative_config.disable_padded_drafter_batch=True is not supported on CPU: vLLM's unpadded draft path "
-    "makes the draft's seq_lens on CPU the same tensor as its seq_lens_cpu_upper_bound and increments both at every "
-    "draft step, so from the second draft token on each sequence length is one too long; leave "
-    "disable_padded_drafter_batch unset (the default padded path)")
+    "speculative_config.disable_padded_drafter_batch=True with num_speculative_tokens > 1 is not supported on CPU: "
+    "vLLM's unpadded draft path makes the draft's seq_lens on CPU the same tensor as its seq_lens_cpu_upper_bound "
+    "and increments both at every draft step, so the k-th draft token would see a sequence k - 1 positions too "
+    "long; leave disable_padded_drafter_batch unset (the default padded path)")
 
 
 class PortableAttentionMetadataBuilder(AttentionMetadataBuilder[PortableAttentionMetadata]):
@@ -116,7 +116,8 @@ class PortableAttentionMetadataBuilder(AttentionMetadataBuilder[PortableAttentio
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
         spec = vllm_config.speculative_config
-        if spec is not None and spec.disable_padded_drafter_batch and torch.device(device).type == "cpu":
+        if (spec is not None and spec.disable_padded_drafter_batch and spec.num_speculative_tokens > 1
+                and (spec.use_eagle() or spec.uses_draft_model()) and torch.device(device).type == "cpu"):
             raise ValueError(UNPADDED_DRAFTS_ON_CPU)
 
     def build(

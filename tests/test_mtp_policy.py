@@ -300,12 +300,13 @@ def test_unpadded_drafts_on_cpu_are_refused_at_engine_start_from_two_draft_token
     from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR
     from vllm_dsv4_mtp.model.paged_cache import UNPADDED_DRAFTS_ON_CPU
 
-    kw = dict(in_process=True, dtype="bfloat16", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True)
+    kw = dict(dtype="bfloat16", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True)
     spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": True}
-    with pytest.raises(ValueError) as e:
-        with vllm_engine(BF16_CHECKPOINT_DIR, speculative_config=spec, **kw):
+    with pytest.raises(ValueError) as e:  # in process: the worker's exception reaches the caller unchanged
+        with vllm_engine(BF16_CHECKPOINT_DIR, in_process=True, speculative_config=spec, **kw):
             pass  # not reached: the engine must not start
     assert str(e.value) == UNPADDED_DRAFTS_ON_CPU
+    # its own process: in this one, a running in-process engine would join the module's vllm_dist groups
     with vllm_engine(BF16_CHECKPOINT_DIR, speculative_config={**spec, "num_speculative_tokens": 1}, **kw) as llm:
         sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
         (out,) = llm.generate([{"prompt_token_ids": list(range(3, 40))}], sp, use_tqdm=False)

@@ -25,11 +25,11 @@ time.sleep(600)
 
 
 def _gone(pid: int) -> bool:
-    """Killed: no such process, or a zombie left for init to reap."""
+    """Killed: no such process, or a zombie left for init to reap (``wait`` on a process that is not this one's
+    child returns once its pid no longer exists, and a zombie's still does)."""
     try:
-        p = psutil.Process(pid)
-        p.wait(timeout=10)
-        return p.status() == psutil.STATUS_ZOMBIE
+        psutil.Process(pid).wait(timeout=10)
+        return True
     except psutil.NoSuchProcess:
         return True
     except psutil.TimeoutExpired:

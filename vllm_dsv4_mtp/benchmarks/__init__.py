@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
-from typing import Any
+from typing import Any, Iterator
 
 
 def report(table: str, result: Any, json_path: str | None) -> int:
@@ -15,3 +17,19 @@ def report(table: str, result: Any, json_path: str | None) -> int:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+@contextlib.contextmanager
+def running(llm) -> Iterator[Any]:
+    """Yield the ``vllm.LLM`` ``llm``, then shut its engine core down however the block ends.
+
+    Why: a benchmark that raises with an engine still running does not exit. Python's multiprocessing atexit
+    handler joins the live EngineCore process, which waits for a shutdown that never comes (seen in CI, stop
+    20: the traceback printed, then the process sat idle until its test's 900 s timeout)."""
+    try:
+        yield llm
+    finally:
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        gc.collect()

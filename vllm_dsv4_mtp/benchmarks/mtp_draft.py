@@ -45,31 +45,29 @@ def question_prompts(ckpt: str, path: str, n: int) -> list[list[int]]:
 
 def run_setting(ckpt: str, k: int, prompts: list[list[int]], max_tokens: int, dtype: str) -> dict:
     """Start an engine (MTP with ``k`` drafts, or off when ``k == 0``), generate greedily, measure."""
-    import gc
-
     from vllm import LLM, SamplingParams
+
+    from vllm_dsv4_mtp.benchmarks import running
 
     sc = {"method": "mtp", "num_speculative_tokens": k} if k else None
     t0 = time.perf_counter()
-    llm = LLM(model=ckpt, dtype=dtype, enforce_eager=True, max_model_len=1024, max_num_seqs=len(prompts),
-              skip_tokenizer_init=True, seed=0, speculative_config=sc, disable_log_stats=False)
-    start_s = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-    # warm-up request (first-call costs), then the measured batch
-    llm.generate([{"prompt_token_ids": prompts[0][:4]}], SamplingParams(max_tokens=2, detokenize=False),
-                 use_tqdm=False)
-    before = llm.get_metrics()
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    gen_s = time.perf_counter() - t0
-    after = llm.get_metrics()
-    steps = (engine_steps(after) or 0) - (engine_steps(before) or 0)
-    spec = spec_decode_from_llm(after)
-    if spec is not None:
-        spec = spec.since(spec_decode_from_llm(before) or SpecDecodeMetrics())
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    del llm
-    gc.collect()
+    with running(LLM(model=ckpt, dtype=dtype, enforce_eager=True, max_model_len=1024, max_num_seqs=len(prompts),
+                     skip_tokenizer_init=True, seed=0, speculative_config=sc, disable_log_stats=False)) as llm:
+        start_s = time.perf_counter() - t0
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        # warm-up request (first-call costs), then the measured batch
+        llm.generate([{"prompt_token_ids": prompts[0][:4]}], SamplingParams(max_tokens=2, detokenize=False),
+                     use_tqdm=False)
+        before = llm.get_metrics()
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        gen_s = time.perf_counter() - t0
+        after = llm.get_metrics()
+        steps = (engine_steps(after) or 0) - (engine_steps(before) or 0)
+        spec = spec_decode_from_llm(after)
+        if spec is not None:
+            spec = spec.since(spec_decode_from_llm(before) or SpecDecodeMetrics())
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "k": k, "engine_start_s": round(start_s, 1), "generate_s": round(gen_s, 2), "engine_steps": steps,
         "ms_per_step": round(1000 * gen_s / steps, 1) if steps else None,

@@ -118,15 +118,16 @@ def summarize(per_request: list[list[Record]], output_tokens: list[int],
 def measure(model: str, mtp_k: int | None, prompts: list[str], max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
+    from vllm_dsv4_mtp.benchmarks import running
+
     # the hook functions must travel by reference (module name), not by value as they would from __main__, so
     # that the records they keep and the one that hands them back share the worker's module global
     from vllm_dsv4_mtp.benchmarks.forward_hooks import take_records
     from vllm_dsv4_mtp.benchmarks.stepcost import install_hooks
 
     spec = None if mtp_k is None else {"method": "mtp", "num_speculative_tokens": mtp_k}
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True,
-              speculative_config=spec, disable_log_stats=False)
-    try:
+    with running(LLM(model=model, dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True,
+                     speculative_config=spec, disable_log_stats=False)) as llm:
         installed = llm.collective_rpc(install_hooks)[0]
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate([prompts[0]], sp, use_tqdm=False)  # warm-up
@@ -140,14 +141,6 @@ def measure(model: str, mtp_k: int | None, prompts: list[str], max_tokens: int) 
         res = summarize(per_request, out_tokens)
         res.update(mtp_k=mtp_k, hooks=installed, requests=len(prompts), output_tokens=sum(out_tokens))
         return res, texts
-    finally:
-        core = getattr(llm.llm_engine, "engine_core", None)
-        if core is not None:
-            core.shutdown()
-        del llm
-        import gc
-
-        gc.collect()
 
 
 def explain(off: dict, on: dict) -> dict:

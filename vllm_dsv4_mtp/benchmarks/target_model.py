@@ -73,32 +73,33 @@ def main(argv: list[str] | None = None) -> dict:
     sampler.start()
     from vllm import LLM, SamplingParams
 
+    from vllm_dsv4_mtp.benchmarks import running
+
     t0 = time.perf_counter()
-    llm = LLM(model=ckpt, dtype=args.dtype, enforce_eager=True, max_model_len=1024, max_num_seqs=8,
-              skip_tokenizer_init=True, enable_prefix_caching=False, seed=0)
-    start_s = time.perf_counter() - t0
-    g = torch.Generator().manual_seed(0)
-    batches = {"batch4": [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 130, 300, 520)],
-               "batch1": [torch.randint(2, 512, (300,), generator=g).tolist()]}
+    with running(LLM(model=ckpt, dtype=args.dtype, enforce_eager=True, max_model_len=1024, max_num_seqs=8,
+                     skip_tokenizer_init=True, enable_prefix_caching=False, seed=0)) as llm:
+        start_s = time.perf_counter() - t0
+        g = torch.Generator().manual_seed(0)
+        batches = {"batch4": [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 130, 300, 520)],
+                   "batch1": [torch.randint(2, 512, (300,), generator=g).tolist()]}
 
-    def timed(prompts, n):
-        sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
-        t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == n for o in outs)
-        return time.perf_counter() - t
+        def timed(prompts, n):
+            sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+            t = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == n for o in outs)
+            return time.perf_counter() - t
 
-    result = {"experts": args.experts, "dtype": args.dtype, "engine_start_s": round(start_s, 1)}
-    timed(batches["batch1"], 2)  # warm-up
-    for name, prompts in batches.items():
-        one = min(timed(prompts, 1) for _ in range(2))
-        full = min(timed(prompts, args.decode) for _ in range(2))
-        result[f"ms_per_decode_step_{name}"] = round(1000 * (full - one) / (args.decode - 1), 1)
-    sampler.stop()
-    result["peak_rss_total_gib"] = round(sampler.peak_total / 2**30, 2)
-    result["peak_rss_single_process_gib"] = round(sampler.peak_single / 2**30, 2)
-    print("RESULT " + json.dumps(result))
-    del llm
+        result = {"experts": args.experts, "dtype": args.dtype, "engine_start_s": round(start_s, 1)}
+        timed(batches["batch1"], 2)  # warm-up
+        for name, prompts in batches.items():
+            one = min(timed(prompts, 1) for _ in range(2))
+            full = min(timed(prompts, args.decode) for _ in range(2))
+            result[f"ms_per_decode_step_{name}"] = round(1000 * (full - one) / (args.decode - 1), 1)
+        sampler.stop()
+        result["peak_rss_total_gib"] = round(sampler.peak_total / 2**30, 2)
+        result["peak_rss_single_process_gib"] = round(sampler.peak_single / 2**30, 2)
+        print("RESULT " + json.dumps(result))
     return result
 
 

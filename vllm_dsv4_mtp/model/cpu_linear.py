@@ -11,9 +11,10 @@ all-expert pass, where a model takes it, one more packed copy of them).
 On a CPU without a 16-bit dot-product instruction (x86 without AVX512-BF16 or AMX, e.g. an AVX2-only EPYC)
 vLLM's dispatch cannot build its oneDNN bf16 matmul and falls back to torch's bf16 ``F.linear``, measured 10-15x
 slower there than a float32 GEMM of the same values (one thread, ``[64, 128] x [128, 1024]``: 4.0 ms vs 0.33
-ms). There :func:`cpu_linear` keeps a float32 copy of a 16-bit weight and computes ``x.float() @ w32.T`` rounded
-once to the activation dtype (torch's float32 ``F.linear``), which is what a bf16 GEMM with float32 accumulation computes, up to the order of
-its sums (an element in ~10,000 differs by one bf16 ulp); the copy takes twice the weight's bytes.
+ms). There :func:`cpu_linear` keeps a float32 copy of a 16-bit weight and computes ``x.float() @ w32.T`` (torch's
+float32 ``F.linear``) rounded once to the activation dtype, which is what a bf16 GEMM with float32 accumulation
+computes, up to the order of its sums (an element in ~10,000 differs by one bf16 ulp); the copy takes twice the
+weight's bytes.
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 def native_16bit_gemm(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies ``dtype`` (bfloat16 / float16) matrices with an instruction of their own:
-    on x86 AVX512-BF16 or AMX for bfloat16, AMX-FP16 for float16 (torch's own CPU feature queries); other
-    architectures are taken to (vLLM's dispatch decides there, as before: not measured here)."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+    on x86-64 AVX512-BF16 or AMX for bfloat16, AMX-FP16 for float16 (torch's own CPU feature queries). Other
+    architectures count as native, so vLLM's dispatch keeps deciding there, as before (not measured here)."""
+    if platform.machine() != "x86_64":
         return True
     if dtype == torch.bfloat16:
         return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

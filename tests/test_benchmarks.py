@@ -106,3 +106,13 @@ def test_a_benchmark_that_raises_with_its_engine_running_exits_with_the_error(tm
                    "--reps", "1", "--decode", "5", "--no-mtp"], timeout=300)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     assert "RuntimeError: the second measurement raised" in r.stderr
+
+
+def test_target_model_refuses_a_decode_count_without_a_decode_step():
+    """``--decode 1`` would divide by ``N - 1 = 0``: an argument error before any checkpoint or engine is made.
+    (Its decode steps are ``decode_step_ms``'s, whose non-positive case the test above covers.)"""
+    from vllm_dsv4_mtp.benchmarks import target_model
+
+    with pytest.raises(SystemExit) as exc:
+        target_model.main(["--decode", "1"])
+    assert exc.value.code == 2

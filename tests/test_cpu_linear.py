@@ -71,3 +71,65 @@ def test_float32_weights_keep_vllms_dispatch(monkeypatch):
     monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: pytest.fail("asked for a float32 weight"))
     got = cl.cpu_linear(w.clone())(x)
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-6, atol=1e-6)
+
+
+def _vllm_linears(w, quant_config):
+    """One of each vLLM linear class the portable model builds, each with the weight ``w: [160, 96]``."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+
+    torch.set_default_dtype(w.dtype)
+    try:
+        layers = {
+            "replicated": ReplicatedLinear(96, 160, bias=False, quant_config=quant_config, return_bias=False),
+            "merged": MergedColumnParallelLinear(96, [64, 96], bias=False, quant_config=quant_config,
+                                                 return_bias=False),
+            "column": ColumnParallelLinear(96, 160, bias=False, quant_config=quant_config, return_bias=False),
+            "row": RowParallelLinear(96, 160, bias=False, quant_config=quant_config, return_bias=False),
+        }
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for layer in layers.values():
+        layer.weight.data.copy_(w)
+        layer.quant_method.process_weights_after_loading(layer)
+    return layers
+
+
+@pytest.mark.usefixtures("vllm_dist")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_models_vllm_linears_take_the_float32_route_where_the_cpu_has_no_16bit_gemm(dtype, monkeypatch):
+    """``LINEARS`` gives vLLM's linear classes the float32 route: without a 16-bit GEMM each is the float32
+    product rounded once, bit for bit (64 rows: where torch's 16-bit fallback is 10-15x slower on an AVX2 CPU);
+    with one, exactly what vLLM's own unquantized method computes for the same weights (the same dispatch)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    x, w = _operands(dtype, 64)
+    once = F.linear(x.float(), w.float()).to(dtype)
+
+    monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: False)
+    for name, layer in _vllm_linears(w, cl.LINEARS).items():
+        assert isinstance(layer.quant_method, UnquantizedLinearMethod), name  # what vLLM's own code tests for
+        assert torch.equal(layer.float32_weight, w.float()), name
+        got = layer(x)
+        assert got.dtype == dtype and torch.equal(got, once), name
+
+    monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: True)
+    plain = _vllm_linears(w, None)
+    for name, layer in _vllm_linears(w, cl.LINEARS).items():
+        assert not hasattr(layer, "float32_weight"), name
+        assert torch.equal(layer(x), plain[name](x)), name
+
+
+@pytest.mark.usefixtures("vllm_dist")
+def test_float32_linears_keep_vllms_unquantized_method(monkeypatch):
+    """The float32 parity engines: ``LINEARS`` changes nothing for float32 weights, whatever the CPU."""
+    x, w = _operands(torch.float32, 7)
+    monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: pytest.fail("asked for a float32 weight"))
+    plain = _vllm_linears(w, None)
+    for name, layer in _vllm_linears(w, cl.LINEARS).items():
+        assert not hasattr(layer, "float32_weight"), name
+        assert torch.equal(layer(x), plain[name](x)), name

@@ -237,3 +237,28 @@ def test_mxfp4_shared_experts_fse_layout(ckpts):
         if getattr(m, "quant_method", None) is not None:
             m.quant_method.process_weights_after_loading(m)
     torch.testing.assert_close(shared(x), want, atol=0, rtol=0)
+
+
+@pytest.mark.usefixtures("vllm_dist")
+@pytest.mark.parametrize("native", [False, True])
+def test_every_vllm_linear_of_the_model_takes_the_cpus_gemm_route(ckpts, native, monkeypatch):
+    """A bf16 model after vLLM's post-load step: on a CPU without a 16-bit GEMM every vLLM linear layer of the
+    target (attention projections, compressors, indexers, shared experts) holds the float32 copy of exactly its
+    loaded weight; on one with it none does and each has vLLM's own dispatched GEMM instead."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from vllm_dsv4_mtp.model import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "native_16bit_gemm", lambda d: native)
+    model = _build(ckpts["bf16"], dtype="bfloat16")
+    model.load_weights(_tensors(ckpts["bf16"]).items())
+    process_weights_after_loading(model, model.vllm_config.model_config, torch.device("cpu"))
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, LinearBase)}
+    kinds = {n.rsplit(".", 1)[-1] for n in linears}
+    assert {"fused_wqa_wkv", "wq_b", "wo_b", "fused_wkv_wgate", "weights_proj", "gate_up_proj", "down_proj"} <= kinds
+    for name, m in linears.items():
+        if native:
+            assert not hasattr(m, "float32_weight") and callable(m.cpu_linear), name
+        else:
+            assert m.weight.dtype == torch.bfloat16 and torch.equal(m.float32_weight, m.weight.float()), name

@@ -36,7 +36,7 @@ from vllm.model_executor.layers.linear import (
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
 from vllm_dsv4_mtp.model.compressor import Compressor
-from vllm_dsv4_mtp.model.cpu_linear import Linear, dispatched_linear, plain_linears, slice_linears
+from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, dispatched_linear, plain_linears, slice_linears
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
 from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
 from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entry_channels, layer_row_width
@@ -156,13 +156,13 @@ class DeepseekV4Attention(nn.Module):
     def _build_projections(self, spec: DeepseekV4Spec, prefix: str) -> None:
         """Query/KV projections (``wq_a`` and ``wkv`` fused: one GEMM of the same input), grouped output, sink."""
         self.fused_wqa_wkv = MergedColumnParallelLinear(
-            self.hidden_size, [spec.q_lora_rank, self.head_dim], bias=False, quant_config=None,
+            self.hidden_size, [spec.q_lora_rank, self.head_dim], bias=False, quant_config=LINEARS,
             prefix=f"{prefix}.fused_wqa_wkv", disable_tp=True, return_bias=False,
         )
         self.q_norm = RMSNorm(spec.q_lora_rank, eps=self.eps)
         self.kv_norm = RMSNorm(self.head_dim, eps=self.eps)
         self.wq_b = ColumnParallelLinear(
-            spec.q_lora_rank, self.n_heads * self.head_dim, bias=False, quant_config=None,
+            spec.q_lora_rank, self.n_heads * self.head_dim, bias=False, quant_config=LINEARS,
             prefix=f"{prefix}.wq_b", return_bias=False,
         )
         # grouped low-rank output: wo_a is block-diagonal over groups, applied as a batched matmul
@@ -170,7 +170,7 @@ class DeepseekV4Attention(nn.Module):
             self.n_heads * self.head_dim // self.n_groups, self.o_lora_rank, self.n_groups, self.n_local_groups
         )
         self.wo_b = RowParallelLinear(
-            self.n_groups * self.o_lora_rank, self.hidden_size, bias=False, quant_config=None,
+            self.n_groups * self.o_lora_rank, self.hidden_size, bias=False, quant_config=LINEARS,
             prefix=f"{prefix}.wo_b", return_bias=False,
         )
         self.attn_sink = nn.Parameter(torch.empty(self.n_local_heads, dtype=torch.float32), requires_grad=False)

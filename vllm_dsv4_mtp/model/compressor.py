@@ -25,6 +25,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO, blocks_per_entry
+from vllm_dsv4_mtp.model.cpu_linear import LINEARS
 from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
@@ -73,7 +74,7 @@ class Compressor(nn.Module):
         width = self.blocks_per_entry * head_dim
         self.row_width = 2 * width  # [c | z] per token
         self.fused_wkv_wgate = MergedColumnParallelLinear(
-            hidden_size, [width, width], bias=False, quant_config=None,
+            hidden_size, [width, width], bias=False, quant_config=LINEARS,
             prefix=f"{prefix}.fused_wkv_wgate", disable_tp=True, return_bias=False,
         )
         self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32), requires_grad=False)

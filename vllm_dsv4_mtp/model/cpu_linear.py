@@ -1,4 +1,4 @@
-"""vLLM's CPU GEMM dispatch for the model's matrices that are not vLLM linear layers (expert and group slices).
+"""The portable model's CPU GEMMs: vLLM's dispatch for its own matrices, and a float32 route for 16-bit weights.
 
 vLLM's own linears on CPU go through ``dispatch_cpu_unquantized_gemm`` once loaded: a prepacked AMX kernel
 where the CPU has one, else oneDNN or torch. The routed experts (``[E, N, K]``) and the grouped ``wo_a``
@@ -14,7 +14,11 @@ slower there than a float32 GEMM of the same values (one thread, ``[64, 128] x [
 ms). There :func:`cpu_linear` keeps a float32 copy of a 16-bit weight and computes ``x.float() @ w32.T`` (torch's
 float32 ``F.linear``) rounded once to the activation dtype, which is what a bf16 GEMM with float32 accumulation
 computes, up to the order of its sums (an element in ~10,000 differs by one bf16 ulp); the copy takes twice the
-weight's bytes.
+weight's bytes. The model's vLLM linear layers (the attention projections, the compressor, the indexer, the shared
+expert, the MTP layer's ``e_proj`` / ``h_proj``) take the same route through :data:`LINEARS`, the ``quant_config``
+they are built with: it gives them :class:`Float32RouteLinearMethod`, which is vLLM's ``UnquantizedLinearMethod``
+wherever the route does not apply (on such a CPU the verify window's 3 rows a request made a batch-64 K=2 step
+cost 3.7 MTP-off steps; ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -42,6 +48,13 @@ def native_16bit_gemm(dtype: torch.dtype) -> bool:
     raise ValueError(f"native_16bit_gemm: {dtype} is not a 16-bit float type")
 
 
+def float32_route(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is multiplied through a float32 copy: a 16-bit CPU tensor on a CPU without
+    :func:`native_16bit_gemm` for its dtype."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+            and not native_16bit_gemm(weight.dtype))
+
+
 def cpu_linear(weight: torch.Tensor) -> Linear:
     """``x -> x @ weight.T`` for ``weight: [N, K]`` on CPU, through vLLM's CPU GEMM dispatch; a 16-bit ``weight``
     on a CPU without :func:`native_16bit_gemm` through a float32 copy instead (module docstring), the result
@@ -51,7 +64,7 @@ def cpu_linear(weight: torch.Tensor) -> Linear:
     ``weight`` made only for this linear (a concatenation) is freed, and a parameter's slice stays its module's."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    if weight.dtype in (torch.bfloat16, torch.float16) and not native_16bit_gemm(weight.dtype):
+    if float32_route(weight):
         # torch's float32 F.linear, not vLLM's float32 dispatch: its oneDNN handle cost ~35 us more a call at
         # 1-16 rows on the AVX2 EPYC measured (56 vs 20 us at [1, 128] x [128, 256]), the same at 64+ rows
         dtype, wide = weight.dtype, weight.float()
@@ -86,3 +99,51 @@ def pack_weights(model: nn.Module) -> None:
         pack = getattr(m, "pack", None)
         if callable(pack) and m is not model:
             pack()
+
+
+class Float32RouteLinearMethod(UnquantizedLinearMethod):
+    """vLLM's unquantized linear method, except that a weight that takes :func:`float32_route` is multiplied
+    through a float32 copy (``layer.float32_weight``, made after loading; ``layer.weight`` stays as loaded)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not float32_route(layer.weight):
+            super().process_weights_after_loading(layer)
+            return
+        layer.float32_weight = layer.weight.detach().float()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x: [T, K]`` -> ``[T, N]``; on the route in ``layer.weight``'s dtype, rounded once."""
+        wide = getattr(layer, "float32_weight", None)
+        if wide is None:
+            return super().apply(layer, x, bias)
+        return F.linear(x.float(), wide, None if bias is None else bias.float()).to(layer.weight.dtype)
+
+
+class PortableLinearConfig(QuantizationConfig):
+    """Not a quantization: how the portable model hands its vLLM linear layers :class:`Float32RouteLinearMethod`
+    (a ``quant_config`` is the one argument vLLM's linears take their method from). Not registered: no
+    checkpoint names it; the model passes :data:`LINEARS` itself."""
+
+    def get_name(self) -> str:
+        return "dsv4_mtp_linears"
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict) -> "PortableLinearConfig":
+        return cls()
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> Float32RouteLinearMethod | None:
+        return Float32RouteLinearMethod() if isinstance(layer, LinearBase) else None
+
+
+LINEARS = PortableLinearConfig()

@@ -20,6 +20,7 @@ from vllm.model_executor.layers.linear import ReplicatedLinear
 
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
 from vllm_dsv4_mtp.model.compressor import Compressor
+from vllm_dsv4_mtp.model.cpu_linear import LINEARS
 from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
 
@@ -86,10 +87,11 @@ class Indexer(nn.Module):
         self.topk = topk
         self.ratio = OVERLAP_RATIO
         self.wq_b = ReplicatedLinear(
-            q_lora_rank, n_heads * head_dim, bias=False, quant_config=None, prefix=f"{prefix}.wq_b", return_bias=False
+            q_lora_rank, n_heads * head_dim, bias=False, quant_config=LINEARS, prefix=f"{prefix}.wq_b",
+            return_bias=False,
         )
         self.weights_proj = ReplicatedLinear(
-            hidden_size, n_heads, bias=False, quant_config=None, prefix=f"{prefix}.weights_proj", return_bias=False
+            hidden_size, n_heads, bias=False, quant_config=LINEARS, prefix=f"{prefix}.weights_proj", return_bias=False
         )
         self.compressor = Compressor(hidden_size, head_dim, self.ratio, norm_eps, prefix=f"{prefix}.compressor")
 

@@ -22,7 +22,7 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowPar
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.model.cpu_linear import Linear
+from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear
 from vllm_dsv4_mtp.model.experts import PortableExperts, swiglu_clamped
 from vllm_dsv4_mtp.model.split_sums import all_reduce, partial_dtype, wide_linear
 
@@ -80,12 +80,12 @@ class SharedExpert(nn.Module):
                  activation_quant: bool = False):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=False, quant_config=None, prefix=f"{prefix}.gate_up_proj",
+            hidden_size, [intermediate_size] * 2, bias=False, quant_config=LINEARS, prefix=f"{prefix}.gate_up_proj",
             return_bias=False,
         )
         # reduce_results=False: the MoE all-reduces routed + shared once
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias=False, quant_config=None, reduce_results=False,
+            intermediate_size, hidden_size, bias=False, quant_config=LINEARS, reduce_results=False,
             prefix=f"{prefix}.down_proj", return_bias=False,
         )
         self.swiglu_limit = swiglu_limit

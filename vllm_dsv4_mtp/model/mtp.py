@@ -45,7 +45,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from vllm_dsv4_mtp import draft_policy
 from vllm_dsv4_mtp.config import DeepseekV4Spec
-from vllm_dsv4_mtp.model.cpu_linear import pack_weights
+from vllm_dsv4_mtp.model.cpu_linear import LINEARS, pack_weights
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.norm import rms_norm
@@ -67,7 +67,7 @@ class SharedHead(nn.Module):
 class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
     """One MTP layer (native ``mtp.i.*``): input projections, a full SWA decoder block, its own ``hc_head``.
 
-    Parameters: ``enorm``/``hnorm`` ``[D]``, ``e_proj``/``h_proj`` ``[D, D]`` (``quant_config=None``: BF16 by
+    Parameters: ``enorm``/``hnorm`` ``[D]``, ``e_proj``/``h_proj`` ``[D, D]`` (unquantized: BF16 by
     policy), ``mtp_block`` (:class:`DeepseekV4DecoderLayer`, compress ratio 0, bias-routed, BF16 experts),
     ``hc_head`` (``fn [hc, hc*D]``, ``base [hc]``, ``scale [1]``), ``shared_head.norm [D]``.
     """
@@ -79,9 +79,9 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
         self.hc_mult = spec.hc_mult
         self.enorm = RMSNorm(d, eps=eps)
         self.hnorm = RMSNorm(d, eps=eps)
-        self.e_proj = ReplicatedLinear(d, d, bias=False, quant_config=None, prefix=f"{prefix}.e_proj",
+        self.e_proj = ReplicatedLinear(d, d, bias=False, quant_config=LINEARS, prefix=f"{prefix}.e_proj",
                                        return_bias=False)
-        self.h_proj = ReplicatedLinear(d, d, bias=False, quant_config=None, prefix=f"{prefix}.h_proj",
+        self.h_proj = ReplicatedLinear(d, d, bias=False, quant_config=LINEARS, prefix=f"{prefix}.h_proj",
                                        return_bias=False)
         # vLLM's convention (and REF's): the MTP block is SWA (compress ratio 0) and never hash-routed
         self.mtp_block = DeepseekV4DecoderLayer(vllm_config, spec, layer_id, prefix=f"{prefix}.mtp_block")

@@ -41,16 +41,9 @@ def claims(hf_quant_cfg: dict | None, hf_config: Any, *, gfx950: bool) -> bool:
     return not gfx950
 
 
-@register_quantization_config(NAME)
-class PortableDeepseekV4QuantConfig(QuantizationConfig):
-    """Holds the checkpoint's raw ``quantization_config``; every layer is built unquantized by vLLM."""
-
-    def __init__(self, raw: dict[str, Any]):
-        super().__init__()
-        self.raw = dict(raw)
-
-    def get_name(self) -> str:
-        return NAME
+class PortableConfigBase(QuantizationConfig):
+    """What the portable path's configs share: every activation dtype (float32 for the parity checks against HF
+    transformers), any device, no files of their own."""
 
     def get_supported_act_dtypes(self) -> list[torch.dtype]:
         return [torch.bfloat16, torch.float16, torch.float32]
@@ -62,6 +55,18 @@ class PortableDeepseekV4QuantConfig(QuantizationConfig):
     @staticmethod
     def get_config_filenames() -> list[str]:
         return []
+
+
+@register_quantization_config(NAME)
+class PortableDeepseekV4QuantConfig(PortableConfigBase):
+    """Holds the checkpoint's raw ``quantization_config``; every layer is built unquantized by vLLM."""
+
+    def __init__(self, raw: dict[str, Any]):
+        super().__init__()
+        self.raw = dict(raw)
+
+    def get_name(self) -> str:
+        return NAME
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "PortableDeepseekV4QuantConfig":

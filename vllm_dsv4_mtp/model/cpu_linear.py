@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+from vllm_dsv4_mtp.portable_quant_config import PortableConfigBase
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -119,24 +120,13 @@ class Float32RouteLinearMethod(UnquantizedLinearMethod):
         return F.linear(x.float(), wide, None if bias is None else bias.float()).to(layer.weight.dtype)
 
 
-class PortableLinearConfig(QuantizationConfig):
+class PortableLinearConfig(PortableConfigBase):
     """Not a quantization: how the portable model hands its vLLM linear layers :class:`Float32RouteLinearMethod`
     (a ``quant_config`` is the one argument vLLM's linears take their method from). Not registered: no
     checkpoint names it; the model passes :data:`LINEARS` itself."""
 
     def get_name(self) -> str:
         return "dsv4_mtp_linears"
-
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 0
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
 
     @classmethod
     def from_config(cls, config: dict) -> "PortableLinearConfig":

@@ -73,7 +73,7 @@ def test_float32_weights_keep_vllms_dispatch(monkeypatch):
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-6, atol=1e-6)
 
 
-def _vllm_linears(w, quant_config):
+def _vllm_linears(w, quant_config, process=True):
     """One of each vLLM linear class the portable model builds, each with the weight ``w: [160, 96]``."""
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
@@ -95,7 +95,8 @@ def _vllm_linears(w, quant_config):
         torch.set_default_dtype(torch.float32)
     for layer in layers.values():
         layer.weight.data.copy_(w)
-        layer.quant_method.process_weights_after_loading(layer)
+        if process:
+            layer.quant_method.process_weights_after_loading(layer)
     return layers
 
 
@@ -114,6 +115,9 @@ def test_the_models_vllm_linears_take_the_float32_route_where_the_cpu_has_no_16b
     for name, layer in _vllm_linears(w, cl.LINEARS).items():
         assert isinstance(layer.quant_method, UnquantizedLinearMethod), name  # what vLLM's own code tests for
         assert torch.equal(layer.float32_weight, w.float()), name
+        # emptied as vLLM's dispatch empties a packed weight; processing twice keeps the copy
+        assert layer.weight.numel() == 0 and layer.weight.dtype == dtype, name
+        layer.quant_method.process_weights_after_loading(layer)
         got = layer(x)
         assert got.dtype == dtype and torch.equal(got, once), name
 
@@ -133,3 +137,15 @@ def test_float32_linears_keep_vllms_unquantized_method(monkeypatch):
     for name, layer in _vllm_linears(w, cl.LINEARS).items():
         assert not hasattr(layer, "float32_weight"), name
         assert torch.equal(layer(x), plain[name](x)), name
+
+
+@pytest.mark.usefixtures("vllm_dist")
+def test_the_linears_load_through_the_same_vllm_loaders_as_unquantized_ones():
+    """vLLM picks a linear's weight loader by its method's class name: with ``LINEARS`` each class gets the loader
+    it gets without a quant_config (the v2 loaders for the parallel ones), and shards land in the same rows."""
+    _, w = _operands(torch.bfloat16, 1)
+    plain, routed = _vllm_linears(w, None, process=False), _vllm_linears(w, cl.LINEARS, process=False)
+    for name in plain:
+        assert routed[name].weight.weight_loader.__name__ == plain[name].weight.weight_loader.__name__, name
+    assert {n: routed[n].weight.weight_loader.__name__ for n in ("merged", "column", "row")} == dict.fromkeys(
+        ("merged", "column", "row"), "weight_loader_v2")

@@ -253,6 +253,7 @@ def test_every_vllm_linear_of_the_model_takes_the_cpus_gemm_route(ckpts, native,
     monkeypatch.setattr(cpu_linear, "native_16bit_gemm", lambda d: native)
     model = _build(ckpts["bf16"], dtype="bfloat16")
     model.load_weights(_tensors(ckpts["bf16"]).items())
+    loaded = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, LinearBase)}
     process_weights_after_loading(model, model.vllm_config.model_config, torch.device("cpu"))
     linears = {n: m for n, m in model.named_modules() if isinstance(m, LinearBase)}
     kinds = {n.rsplit(".", 1)[-1] for n in linears}
@@ -261,4 +262,4 @@ def test_every_vllm_linear_of_the_model_takes_the_cpus_gemm_route(ckpts, native,
         if native:
             assert not hasattr(m, "float32_weight") and callable(m.cpu_linear), name
         else:
-            assert m.weight.dtype == torch.bfloat16 and torch.equal(m.float32_weight, m.weight.float()), name
+            assert loaded[name].dtype == torch.bfloat16 and torch.equal(m.float32_weight, loaded[name].float()), name

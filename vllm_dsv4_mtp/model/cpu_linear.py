@@ -17,8 +17,8 @@ computes, up to the order of its sums (an element in ~10,000 differs by one bf16
 weight's bytes. The model's vLLM linear layers (the attention projections, the compressor, the indexer, the shared
 expert, the MTP layer's ``e_proj`` / ``h_proj``) take the same route through :data:`LINEARS`, the ``quant_config``
 they are built with: it gives them :class:`Float32RouteLinearMethod`, which is vLLM's ``UnquantizedLinearMethod``
-wherever the route does not apply (on such a CPU the verify window's 3 rows a request made a batch-64 K=2 step
-cost 3.7 MTP-off steps; ``docs/benchmarks.md``).
+(its weight loaders included) wherever the route does not apply. On such a CPU the verify window's 3 rows a
+request had made a batch-64 K=2 step cost 3.7 MTP-off steps (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    UnquantizedLinearMethod,
+    register_weight_loader_v2_supported_method,
+)
 
 from vllm_dsv4_mtp.portable_quant_config import PortableConfigBase
 
@@ -102,22 +106,30 @@ def pack_weights(model: nn.Module) -> None:
             pack()
 
 
+@register_weight_loader_v2_supported_method  # vLLM picks its linears' loader by the method's class name
 class Float32RouteLinearMethod(UnquantizedLinearMethod):
     """vLLM's unquantized linear method, except that a weight that takes :func:`float32_route` is multiplied
-    through a float32 copy (``layer.float32_weight``, made after loading; ``layer.weight`` stays as loaded)."""
+    through a float32 copy, ``layer.float32_weight``, made after loading. ``layer.weight`` is then emptied, as
+    vLLM's own dispatch empties it when it packs a copy: the copy costs twice the 16-bit bytes, not three times,
+    and an in-place reload into the emptied weight fails loudly instead of leaving the copy stale."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if getattr(layer, "float32_weight", None) is not None and layer.weight.numel() == 0:
+            return  # processed already
+        layer.__dict__.pop("float32_weight", None)
         if not float32_route(layer.weight):
             super().process_weights_after_loading(layer)
             return
-        layer.float32_weight = layer.weight.detach().float()
+        w = layer.weight
+        layer.float32_weight = w.detach().float()
+        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x: [T, K]`` -> ``[T, N]``; on the route in ``layer.weight``'s dtype, rounded once."""
+        """``x: [..., K]`` -> ``[..., N]``; on the route the float32 product rounded once to ``x.dtype``."""
         wide = getattr(layer, "float32_weight", None)
         if wide is None:
             return super().apply(layer, x, bias)
-        return F.linear(x.float(), wide, None if bias is None else bias.float()).to(layer.weight.dtype)
+        return F.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
 
 
 class PortableLinearConfig(PortableConfigBase):

@@ -115,8 +115,7 @@ class Float32RouteLinearMethod(UnquantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "float32_weight", None) is not None and layer.weight.numel() == 0:
-            return  # processed already
-        layer.__dict__.pop("float32_weight", None)
+            return  # processed already: the copy stays (a second copy would be of the emptied weight)
         if not float32_route(layer.weight):
             super().process_weights_after_loading(layer)
             return

@@ -149,3 +149,11 @@ def test_the_linears_load_through_the_same_vllm_loaders_as_unquantized_ones():
         assert routed[name].weight.weight_loader.__name__ == plain[name].weight.weight_loader.__name__, name
     assert {n: routed[n].weight.weight_loader.__name__ for n in ("merged", "column", "row")} == dict.fromkeys(
         ("merged", "column", "row"), "weight_loader_v2")
+    # the merged layer's two shards (64 and 96 rows) through each loader: the same rows either way
+    shards = (w[:64] * 2, w[64:] * 3)
+    for layers in (plain, routed):
+        m = layers["merged"]
+        for shard_id, shard in enumerate(shards):
+            m.weight.weight_loader(m.weight, shard, shard_id)
+    assert torch.equal(routed["merged"].weight, plain["merged"].weight)
+    assert torch.equal(routed["merged"].weight, torch.cat(shards))

@@ -157,3 +157,23 @@ def test_the_linears_load_through_the_same_vllm_loaders_as_unquantized_ones():
             m.weight.weight_loader(m.weight, shard, shard_id)
     assert torch.equal(routed["merged"].weight, plain["merged"].weight)
     assert torch.equal(routed["merged"].weight, torch.cat(shards))
+
+
+@pytest.mark.usefixtures("vllm_dist")
+def test_loaded_weight_gives_the_16bit_weight_back_after_processing_or_names_the_layer(monkeypatch):
+    """What the MoE's joined shared-expert pack reads: the loaded weight, also once vLLM has processed the layer
+    (its in-place reload does that before the model's ``load_weights`` packs). On the route the float32 copy gives
+    it back bit for bit; where vLLM's own dispatch packed it away the error names the layer, not a shape."""
+    _, w = _operands(torch.bfloat16, 1)
+    monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: False)
+    for name, layer in _vllm_linears(w, cl.LINEARS).items():
+        assert layer.weight.numel() == 0, name
+        got = cl.loaded_weight(layer, name)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, w), name
+    unprocessed = _vllm_linears(w, cl.LINEARS, process=False)["row"]
+    same = cl.loaded_weight(unprocessed, "row")  # before processing: the weight itself, not a copy
+    assert torch.equal(same, w) and same.data_ptr() == unprocessed.weight.data_ptr()
+    # vLLM's dispatch empties a weight it packs (oneDNN / SGL / zentorch CPUs) and keeps no copy of its own
+    unprocessed.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+    with pytest.raises(RuntimeError, match=r"layers\.1\.ffn\.shared_experts\.down_proj: .*reload_weights"):
+        cl.loaded_weight(unprocessed, "layers.1.ffn.shared_experts.down_proj")

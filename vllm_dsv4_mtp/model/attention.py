@@ -36,7 +36,14 @@ from vllm.model_executor.layers.linear import (
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
 from vllm_dsv4_mtp.model.compressor import Compressor
-from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, dispatched_linear, plain_linears, slice_linears
+from vllm_dsv4_mtp.model.cpu_linear import (
+    LINEARS,
+    Linear,
+    dispatched_linear,
+    loaded_weight,
+    plain_linears,
+    slice_linears,
+)
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
 from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
 from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entry_channels, layer_row_width
@@ -206,7 +213,7 @@ class DeepseekV4Attention(nn.Module):
 
     def pack(self) -> None:
         """After loading: a float32 model's ``wo_b`` (a sum TP splits) in float64 (``model/split_sums.py``)."""
-        self._wo_b_wide = wide_linear(self.wo_b.weight)
+        self._wo_b_wide = wide_linear(loaded_weight(self.wo_b, self.wo_b.prefix))
 
     # ----------------------------------------------------------------------------------------------
     def project(self, x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -110,8 +110,9 @@ def pack_weights(model: nn.Module) -> None:
 class Float32RouteLinearMethod(UnquantizedLinearMethod):
     """vLLM's unquantized linear method, except that a weight that takes :func:`float32_route` is multiplied
     through a float32 copy, ``layer.float32_weight``, made after loading. ``layer.weight`` is then emptied, as
-    vLLM's own dispatch empties it when it packs a copy: the copy costs twice the 16-bit bytes, not three times,
-    and an in-place reload into the emptied weight fails loudly instead of leaving the copy stale."""
+    vLLM's own dispatch empties it when it packs a copy: the copy costs twice the 16-bit bytes, not three times.
+    vLLM's in-place reload (``reload_weights``) restores the layer's weight from its recorded shape, loads it and
+    processes the layer again, so the copy is made anew from the new weights (``tests/test_weight_reload.py``)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "float32_weight", None) is not None and layer.weight.numel() == 0:
@@ -129,6 +130,22 @@ class Float32RouteLinearMethod(UnquantizedLinearMethod):
         if wide is None:
             return super().apply(layer, x, bias)
         return F.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
+
+
+def loaded_weight(layer: nn.Module, name: str) -> torch.Tensor:
+    """The weight ``[N, K]`` of one of the model's vLLM linears as loaded, for a pack that reads it (the MoE's
+    joined shared expert), also once vLLM has processed the layer: vLLM's in-place reload (``reload_weights``)
+    processes each layer as soon as its tensors are in, before the model's ``load_weights`` returns and packs.
+    On the float32 route the float32 copy gives the 16-bit weight back exactly. ``name`` is the layer's module
+    name, for the error where vLLM's own dispatch packed the weight away."""
+    wide = getattr(layer, "float32_weight", None)
+    if wide is not None and layer.weight.numel() == 0:
+        return wide.to(layer.weight.dtype)
+    if layer.weight.numel() == 0:
+        raise RuntimeError(f"{name}: vLLM's CPU GEMM dispatch packed this weight away after loading, so the "
+                           "weights cannot be packed again: in-place reload (reload_weights) of this model is "
+                           "not supported on this CPU; start a new engine on the new weights")
+    return layer.weight.data
 
 
 class PortableLinearConfig(PortableConfigBase):

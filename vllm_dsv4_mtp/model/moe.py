@@ -22,7 +22,7 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowPar
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear
+from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, loaded_weight
 from vllm_dsv4_mtp.model.experts import PortableExperts, swiglu_clamped
 from vllm_dsv4_mtp.model.split_sums import all_reduce, partial_dtype, wide_linear
 
@@ -95,7 +95,7 @@ class SharedExpert(nn.Module):
 
     def pack(self) -> None:
         """After loading: a float32 model's ``down_proj`` (a sum TP splits) in float64 (``model/split_sums.py``)."""
-        self._down_wide = wide_linear(self.down_proj.weight)
+        self._down_wide = wide_linear(loaded_weight(self.down_proj, self.down_proj.prefix))
 
     @property
     def down(self) -> Linear:
@@ -147,7 +147,11 @@ class DeepseekV4MoE(nn.Module):
     def pack(self) -> None:
         """After loading: the experts' all-expert pass, with the shared expert in it where it joins."""
         se = self.shared_experts
-        self.experts.pack_all((se.gate_up_proj.weight, se.down_proj.weight) if self._shared_joins() else None)
+        shared = None
+        if self._shared_joins():
+            shared = (loaded_weight(se.gate_up_proj, se.gate_up_proj.prefix),
+                      loaded_weight(se.down_proj, se.down_proj.prefix))
+        self.experts.pack_all(shared)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """``x: [T, D]`` (the normed sub-layer input), ``input_ids: [T]`` -> ``[T, D]``."""

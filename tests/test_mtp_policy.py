@@ -311,3 +311,29 @@ def test_unpadded_drafts_on_cpu_are_refused_at_engine_start_from_two_draft_token
         sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
         (out,) = llm.generate([{"prompt_token_ids": list(range(3, 40))}], sp, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 12
+
+
+@pytest.mark.usefixtures("vllm_dist")
+def test_draft_linears_take_the_float32_route_where_the_cpu_has_no_16bit_gemm(ckpts, monkeypatch):
+    """The MTP layer's vLLM linears (``e_proj``, ``h_proj`` and its block's) after vLLM's post-load step on a CPU
+    without a 16-bit GEMM: each holds the float32 copy of exactly its loaded weight and computes through it."""
+    import torch.nn.functional as F
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from vllm_dsv4_mtp.model import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "native_16bit_gemm", lambda d: False)
+    draft = _build_draft(ckpts["bf16"])
+    tensors = _tensors(ckpts["bf16"])
+    draft.load_weights(iter(tensors.items()))
+    loaded = {n: m.weight.detach().clone() for n, m in draft.named_modules() if isinstance(m, LinearBase)}
+    process_weights_after_loading(draft, _vllm_config(ckpts["bf16"]).model_config, torch.device("cpu"))
+    linears = {n: m for n, m in draft.named_modules() if isinstance(m, LinearBase)}
+    assert {"model.layers.4.e_proj", "model.layers.4.h_proj"} <= set(linears)
+    for name, m in linears.items():
+        assert m.weight.numel() == 0 and torch.equal(m.float32_weight, loaded[name].float()), name
+    e_proj = linears["model.layers.4.e_proj"]
+    assert torch.equal(loaded["model.layers.4.e_proj"], tensors["mtp.0.e_proj.weight"])
+    x = torch.randn(5, 128).to(torch.bfloat16)
+    assert torch.equal(e_proj(x), F.linear(x.float(), tensors["mtp.0.e_proj.weight"].float()).to(torch.bfloat16))

@@ -91,3 +91,27 @@ def test_two_ranks_add_up_to_one_rank_bit_for_bit(expert_parallel):
             assert torch.equal((parts[0] + parts[1]).float(), one.float()), tokens
         for ex in (whole, *ranks):
             ex._linears, ex._all = None, None
+
+
+@pytest.mark.usefixtures("vllm_dist")
+def test_wide_layer_reads_only_float32_layers():
+    """A float32 vLLM linear gets its float64 copy, and one whose weight vLLM packed away is an error naming it;
+    a 16-bit one needs no copy, so its emptied weight (vLLM's packing dispatch on an AVX512-BF16 / AMX CPU, after
+    an in-place reload) is never read."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    from vllm_dsv4_mtp.model.split_sums import wide_layer
+
+    torch.set_default_dtype(torch.float32)
+    wide = RowParallelLinear(8, 4, bias=False, return_bias=False)
+    wide.weight.data.copy_(torch.randn(4, 8))
+    x = torch.randn(3, 8)
+    assert torch.equal(wide_layer(wide, "wo_b")(x), x.double() @ wide.weight.data.double().T)
+    for dtype, outcome in ((torch.bfloat16, None), (torch.float32, "raises")):
+        layer = RowParallelLinear(8, 4, bias=False, return_bias=False)
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        if outcome is None:
+            assert wide_layer(layer, "model.layers.0.attn.wo_b") is None
+        else:
+            with pytest.raises(RuntimeError, match=r"model\.layers\.0\.attn\.wo_b: vLLM's CPU GEMM dispatch"):
+                wide_layer(layer, "model.layers.0.attn.wo_b")

@@ -36,20 +36,13 @@ from vllm.model_executor.layers.linear import (
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
 from vllm_dsv4_mtp.model.compressor import Compressor
-from vllm_dsv4_mtp.model.cpu_linear import (
-    LINEARS,
-    Linear,
-    dispatched_linear,
-    loaded_weight,
-    plain_linears,
-    slice_linears,
-)
+from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, dispatched_linear, plain_linears, slice_linears
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
 from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
 from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.rope import layer_rope
 from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
-from vllm_dsv4_mtp.model.split_sums import all_reduce, wide_linear
+from vllm_dsv4_mtp.model.split_sums import all_reduce, wide_layer
 
 # the intermediates of one group of segments (masks, gathered keys, indexer scores) stay below this many elements
 GROUP_BUDGET = 1 << 23
@@ -213,7 +206,7 @@ class DeepseekV4Attention(nn.Module):
 
     def pack(self) -> None:
         """After loading: a float32 model's ``wo_b`` (a sum TP splits) in float64 (``model/split_sums.py``)."""
-        self._wo_b_wide = wide_linear(loaded_weight(self.wo_b, self.wo_b.prefix))
+        self._wo_b_wide = wide_layer(self.wo_b, self.wo_b.prefix)
 
     # ----------------------------------------------------------------------------------------------
     def project(self, x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.formats import mxfp4
 from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, loaded_weight
 from vllm_dsv4_mtp.model.experts import PortableExperts, swiglu_clamped
-from vllm_dsv4_mtp.model.split_sums import all_reduce, partial_dtype, wide_linear
+from vllm_dsv4_mtp.model.split_sums import all_reduce, partial_dtype, wide_layer
 
 _SCORE_FUNCS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
@@ -95,7 +95,7 @@ class SharedExpert(nn.Module):
 
     def pack(self) -> None:
         """After loading: a float32 model's ``down_proj`` (a sum TP splits) in float64 (``model/split_sums.py``)."""
-        self._down_wide = wide_linear(loaded_weight(self.down_proj, self.down_proj.prefix))
+        self._down_wide = wide_layer(self.down_proj, self.down_proj.prefix)
 
     @property
     def down(self) -> Linear:

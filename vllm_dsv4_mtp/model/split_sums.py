@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group, tensor_model_parallel_all_reduce
 
-from vllm_dsv4_mtp.model.cpu_linear import Linear
+from vllm_dsv4_mtp.model.cpu_linear import Linear, loaded_weight
 
 WIDE = torch.float64
 
@@ -41,6 +41,13 @@ def wide_linear(weight: torch.Tensor) -> Linear | None:
                          "pack before vLLM's process_weights_after_loading")
     wide = weight.detach().to(WIDE)
     return lambda x: F.linear(x.to(WIDE), wide)
+
+
+def wide_layer(layer: torch.nn.Module, name: str) -> Linear | None:
+    """:func:`wide_linear` of one of the model's vLLM linears (``name``: its module name): read through
+    :func:`~vllm_dsv4_mtp.model.cpu_linear.loaded_weight` for a float32 layer only, since the others need no
+    float64 copy and vLLM may have packed their weight away (an in-place reload on an AVX512-BF16 / AMX CPU)."""
+    return wide_linear(loaded_weight(layer, name)) if layer.weight.dtype == torch.float32 else None
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:

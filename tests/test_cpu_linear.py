@@ -168,12 +168,15 @@ def test_loaded_weight_gives_the_16bit_weight_back_after_processing_or_names_the
     monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: False)
     for name, layer in _vllm_linears(w, cl.LINEARS).items():
         assert layer.weight.numel() == 0, name
-        got = cl.loaded_weight(layer, name)
+        got = cl.loaded_weight(layer)
         assert got.dtype == torch.bfloat16 and torch.equal(got, w), name
     unprocessed = _vllm_linears(w, cl.LINEARS, process=False)["row"]
-    same = cl.loaded_weight(unprocessed, "row")  # before processing: the weight itself, not a copy
+    same = cl.loaded_weight(unprocessed)  # before processing: the weight itself, not a copy
     assert torch.equal(same, w) and same.data_ptr() == unprocessed.weight.data_ptr()
     # vLLM's dispatch empties a weight it packs (oneDNN / SGL / zentorch CPUs) and keeps no copy of its own
-    unprocessed.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    packed = RowParallelLinear(96, 160, bias=False, return_bias=False, prefix="layers.1.ffn.shared_experts.down_proj")
+    packed.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
     with pytest.raises(RuntimeError, match=r"layers\.1\.ffn\.shared_experts\.down_proj: .*reload_weights"):
-        cl.loaded_weight(unprocessed, "layers.1.ffn.shared_experts.down_proj")
+        cl.loaded_weight(packed)

@@ -206,7 +206,7 @@ class DeepseekV4Attention(nn.Module):
 
     def pack(self) -> None:
         """After loading: a float32 model's ``wo_b`` (a sum TP splits) in float64 (``model/split_sums.py``)."""
-        self._wo_b_wide = wide_layer(self.wo_b, self.wo_b.prefix)
+        self._wo_b_wide = wide_layer(self.wo_b)
 
     # ----------------------------------------------------------------------------------------------
     def project(self, x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -132,20 +132,20 @@ class Float32RouteLinearMethod(UnquantizedLinearMethod):
         return F.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
 
 
-def loaded_weight(layer: nn.Module, name: str) -> torch.Tensor:
+def loaded_weight(layer: LinearBase) -> torch.Tensor:
     """The weight ``[N, K]`` of one of the model's vLLM linears as loaded, for a pack that reads it (the MoE's
     joined shared expert), also once vLLM has processed the layer: vLLM's in-place reload (``reload_weights``)
     processes each layer as soon as its tensors are in, before the model's ``load_weights`` returns and packs.
-    On the float32 route the float32 copy gives the 16-bit weight back exactly. ``name`` is the layer's module
-    name, for the error where vLLM's own dispatch packed the weight away."""
+    On the float32 route the float32 copy gives the 16-bit weight back exactly; where vLLM's own dispatch packed
+    the weight away the error names the layer by its ``prefix``."""
+    if layer.weight.numel() > 0:
+        return layer.weight.data
     wide = getattr(layer, "float32_weight", None)
-    if wide is not None and layer.weight.numel() == 0:
+    if wide is not None:
         return wide.to(layer.weight.dtype)
-    if layer.weight.numel() == 0:
-        raise RuntimeError(f"{name}: vLLM's CPU GEMM dispatch packed this weight away after loading, so the "
-                           "weights cannot be packed again: in-place reload (reload_weights) of this model is "
-                           "not supported on this CPU; start a new engine on the new weights")
-    return layer.weight.data
+    raise RuntimeError(f"{layer.prefix}: vLLM's CPU GEMM dispatch packed this weight away after loading, so the "
+                       "weights cannot be packed again: in-place reload (reload_weights) of this model is "
+                       "not supported on this CPU; start a new engine on the new weights")
 
 
 class PortableLinearConfig(PortableConfigBase):

@@ -95,7 +95,7 @@ class SharedExpert(nn.Module):
 
     def pack(self) -> None:
         """After loading: a float32 model's ``down_proj`` (a sum TP splits) in float64 (``model/split_sums.py``)."""
-        self._down_wide = wide_layer(self.down_proj, self.down_proj.prefix)
+        self._down_wide = wide_layer(self.down_proj)
 
     @property
     def down(self) -> Linear:
@@ -149,8 +149,7 @@ class DeepseekV4MoE(nn.Module):
         se = self.shared_experts
         shared = None
         if self._shared_joins():
-            shared = (loaded_weight(se.gate_up_proj, se.gate_up_proj.prefix),
-                      loaded_weight(se.down_proj, se.down_proj.prefix))
+            shared = (loaded_weight(se.gate_up_proj), loaded_weight(se.down_proj))
         self.experts.pack_all(shared)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:

@@ -43,11 +43,11 @@ def wide_linear(weight: torch.Tensor) -> Linear | None:
     return lambda x: F.linear(x.to(WIDE), wide)
 
 
-def wide_layer(layer: torch.nn.Module, name: str) -> Linear | None:
-    """:func:`wide_linear` of one of the model's vLLM linears (``name``: its module name): read through
+def wide_layer(layer: torch.nn.Module) -> Linear | None:
+    """:func:`wide_linear` of one of the model's vLLM linears, read through
     :func:`~vllm_dsv4_mtp.model.cpu_linear.loaded_weight` for a float32 layer only, since the others need no
     float64 copy and vLLM may have packed their weight away (an in-place reload on an AVX512-BF16 / AMX CPU)."""
-    return wide_linear(loaded_weight(layer, name)) if layer.weight.dtype == torch.float32 else None
+    return wide_linear(loaded_weight(layer)) if layer.weight.dtype == torch.float32 else None
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:

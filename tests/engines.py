@@ -82,7 +82,16 @@ def _shut_down(llm, destroy_groups: bool) -> None:
         cleanup_dist_env_and_memory()
 
 
+def _model_runner(llm):
+    """The model runner of an in-process (``in_process=True``) engine on one device."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def target(llm):
+    """The target model object of an in-process engine on one device."""
+    return _model_runner(llm).model
+
+
 def drafter(llm):
-    """The speculative draft model object of an in-process (``in_process=True``) engine on one device."""
-    core = llm.llm_engine.engine_core.engine_core
-    return core.model_executor.driver_worker.worker.model_runner.drafter.model
+    """The speculative draft model object of an in-process engine on one device."""
+    return _model_runner(llm).drafter.model

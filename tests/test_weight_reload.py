@@ -11,7 +11,7 @@ dispatch (second test) and is refused naming the layer.
 from __future__ import annotations
 
 import pytest
-from engines import vllm_engine
+from engines import target, vllm_engine
 
 pytestmark = pytest.mark.engine
 
@@ -24,10 +24,6 @@ def _greedy(llm) -> list[list[int]]:
     from vllm import SamplingParams
 
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0))]
-
-
-def _model(llm):
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
 
 
 def test_in_place_reload_on_the_float32_route_serves_exactly_the_new_weights(tmp_path, monkeypatch):
@@ -49,7 +45,7 @@ def test_in_place_reload_on_the_float32_route_serves_exactly_the_new_weights(tmp
         before = _greedy(llm)
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(b)})
         after = _greedy(llm)
-        shared = _model(llm).model.layers[1].ffn.shared_experts.gate_up_proj
+        shared = target(llm).model.layers[1].ffn.shared_experts.gate_up_proj
         assert shared.weight.numel() == 0
         assert torch.equal(shared.float32_weight, torch.cat([b_tensors.get(f"layers.1.ffn.shared_experts.{s}.weight")
                                                              for s in ("w1", "w3")]).float())

@@ -160,23 +160,31 @@ def test_the_linears_load_through_the_same_vllm_loaders_as_unquantized_ones():
 
 
 @pytest.mark.usefixtures("vllm_dist")
-def test_loaded_weight_gives_the_16bit_weight_back_after_processing_or_names_the_layer(monkeypatch):
-    """What the MoE's joined shared-expert pack reads: the loaded weight, also once vLLM has processed the layer
-    (its in-place reload does that before the model's ``load_weights`` packs). On the route the float32 copy gives
-    it back bit for bit; where vLLM's own dispatch packed it away the error names the layer, not a shape."""
-    _, w = _operands(torch.bfloat16, 1)
-    monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: False)
-    for name, layer in _vllm_linears(w, cl.LINEARS).items():
-        assert layer.weight.numel() == 0, name
-        got = cl.loaded_weight(layer)
-        assert got.dtype == torch.bfloat16 and torch.equal(got, w), name
-    unprocessed = _vllm_linears(w, cl.LINEARS, process=False)["row"]
-    same = cl.loaded_weight(unprocessed)  # before processing: the weight itself, not a copy
-    assert torch.equal(same, w) and same.data_ptr() == unprocessed.weight.data_ptr()
-    # vLLM's dispatch empties a weight it packs (oneDNN / SGL / zentorch CPUs) and keeps no copy of its own
+@pytest.mark.parametrize("dtype, route", [(torch.bfloat16, True), (torch.float32, False)])
+def test_a_kept_layer_keeps_its_loaded_weight_through_processing_and_computes_the_same(dtype, route, monkeypatch):
+    """What a pack of the model reads after vLLM has processed a layer (its in-place reload processes each layer
+    before the model's ``load_weights`` packs): a layer marked by ``keep_loaded_weight`` still holds its loaded
+    weight, where an unmarked one has it emptied (the float32 route's copy; vLLM's float32 dispatch, which packs
+    on this CPU), and computes exactly what the unmarked one computes. ``loaded_weight`` of an unmarked layer is
+    an error naming it, whatever state its weight is in."""
     from vllm.model_executor.layers.linear import RowParallelLinear
 
-    packed = RowParallelLinear(96, 160, bias=False, return_bias=False, prefix="layers.1.ffn.shared_experts.down_proj")
-    packed.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
-    with pytest.raises(RuntimeError, match=r"layers\.1\.ffn\.shared_experts\.down_proj: .*reload_weights"):
-        cl.loaded_weight(packed)
+    x, w = _operands(dtype, 5)
+    monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: not route)
+    plain = _vllm_linears(w, cl.LINEARS)
+    kept = _vllm_linears(w, cl.LINEARS, process=False)
+    for name, layer in kept.items():
+        cl.keep_loaded_weight(layer).quant_method.process_weights_after_loading(layer)
+        assert plain[name].weight.numel() == 0, name  # the hazard: processing empties an unmarked weight
+        got = cl.loaded_weight(layer)
+        assert got.dtype == dtype and torch.equal(got, w), name
+        assert torch.equal(layer(x), plain[name](x)), name
+        assert (getattr(layer, "float32_weight", None) is not None) == route, name
+    torch.set_default_dtype(dtype)
+    try:
+        unmarked = RowParallelLinear(96, 160, bias=False, quant_config=cl.LINEARS, return_bias=False,
+                                     prefix="model.layers.1.ffn.shared_experts.down_proj")
+    finally:
+        torch.set_default_dtype(torch.float32)
+    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.ffn\.shared_experts\.down_proj: .*keep_loaded_weight"):
+        cl.loaded_weight(unmarked)  # before processing too: the pack would fail on a reload only

@@ -2,16 +2,16 @@
 weights into a running engine) on the plugin's model, on the float32 GEMM route (``model/cpu_linear.py``).
 
 vLLM's reload processes each layer as soon as its tensors are in, so the route has already emptied the shared
-expert's 16-bit weights when the model's ``load_weights`` packs the MoE's joined expert pass; that pack reads them
-back from the float32 copy (``cpu_linear.loaded_weight``). Before, the reload failed half way with the MoE's
-pack error, leaving a model of mixed weights behind. A float32 model's reload cannot work on vLLM's CPU
-dispatch (second test) and is refused naming the layer.
+expert's 16-bit weights when the model's ``load_weights`` packed the MoE's joined expert pass: the reload failed
+half way with the MoE's pack error, leaving a model of mixed weights behind; a float32 model's reload failed at
+``wo_b``, whose weight vLLM's float32 dispatch had packed away. The layers whose weights a pack reads now keep
+them (``cpu_linear.keep_loaded_weight``).
 """
 
 from __future__ import annotations
 
 import pytest
-from engines import target, vllm_engine
+from engines import drafter, target, vllm_engine
 
 pytestmark = pytest.mark.engine
 
@@ -26,42 +26,82 @@ def _greedy(llm) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0))]
 
 
-def test_in_place_reload_on_the_float32_route_serves_exactly_the_new_weights(tmp_path, monkeypatch):
+@pytest.fixture
+def a_and_b(tmp_path):
+    """Two tiny checkpoints of the same shapes, different weights."""
+    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
+
+    return (build_tiny_checkpoint(tmp_path / "a", seed=0, tokenizer=False),
+            build_tiny_checkpoint(tmp_path / "b", seed=1, tokenizer=False))
+
+
+def _reload(a, b, run, *, inspect=lambda llm: None, speculative_config=None, **engine):
+    """``(fresh, before, after, seen)``: ``run(llm)`` on a fresh engine on ``b``, then on an engine on ``a``
+    (with ``speculative_config``) before and after its in-place reload with ``b``; ``seen = inspect(llm)`` after."""
+    with vllm_engine(b, in_process=True, **engine) as llm:
+        fresh = run(llm)
+    with vllm_engine(a, in_process=True, speculative_config=speculative_config, **engine) as llm:
+        before = run(llm)
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(b)})
+        return fresh, before, run(llm), inspect(llm)
+
+
+def test_in_place_reload_on_the_float32_route_serves_exactly_the_new_weights(a_and_b, monkeypatch):
     """An engine started on checkpoint A and reloaded in place with checkpoint B generates what a fresh engine
-    on B generates, token for token, with the route still taken (float32 copies of B's weights)."""
+    on B generates, token for token, with the route still taken (float32 copies of B's weights; the joined shared
+    expert keeps B's loaded weight beside it)."""
     import torch
 
     from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
     from vllm_dsv4_mtp.model import cpu_linear
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
     monkeypatch.setattr(cpu_linear, "native_16bit_gemm", lambda d: False)  # the route on any CPU
-    a = build_tiny_checkpoint(tmp_path / "a", seed=0, tokenizer=False)
-    b = build_tiny_checkpoint(tmp_path / "b", seed=1, tokenizer=False)
-    b_tensors = CheckpointReader(b)
-    with vllm_engine(b, in_process=True, **ENGINE) as llm:
-        fresh_b = _greedy(llm)
-    with vllm_engine(a, in_process=True, **ENGINE) as llm:
-        before = _greedy(llm)
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(b)})
-        after = _greedy(llm)
-        shared = target(llm).model.layers[1].ffn.shared_experts.gate_up_proj
-        assert shared.weight.numel() == 0
-        assert torch.equal(shared.float32_weight, torch.cat([b_tensors.get(f"layers.1.ffn.shared_experts.{s}.weight")
-                                                             for s in ("w1", "w3")]).float())
+
+    def shared_gate_up(llm):
+        layer = target(llm).model.layers[1].ffn.shared_experts.gate_up_proj
+        return layer.weight.clone(), layer.float32_weight.clone()
+
+    fresh_b, before, after, (weight, wide) = _reload(*a_and_b, _greedy, inspect=shared_gate_up, **ENGINE)
+    b = CheckpointReader(a_and_b[1])
+    want = torch.cat([b.get(f"layers.1.ffn.shared_experts.{s}.weight") for s in ("w1", "w3")])
+    assert torch.equal(weight, want) and torch.equal(wide, want.float())
     assert before != fresh_b  # the two checkpoints differ where it shows
     assert after == fresh_b
 
 
-def test_in_place_reload_of_a_float32_model_is_refused_naming_the_layer(tmp_path):
+def test_in_place_reload_of_a_float32_model_serves_exactly_the_new_weights(a_and_b):
     """A float32 model keeps ``wo_b`` and the shared expert's ``down_proj`` (sums TP splits) in float64, made from
-    the loaded weights; vLLM's float32 CPU dispatch packs those weights away after loading, and its reload
-    processes a layer before the model packs, so there is nothing to make them from: the reload fails naming
-    the first such layer and what to do (before, ``wide_linear``'s error said neither)."""
-    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
+    the loaded weights when the model packs; vLLM's float32 CPU dispatch packs the weights of its linears away,
+    and its reload processes a layer before the model packs. Those layers keep their loaded weight
+    (``cpu_linear.keep_loaded_weight``), so the reload serves B exactly: the same tokens and prompt log-probs as
+    a fresh engine on B (float32: bit for bit). Before, the reload failed at ``wo_b``."""
+    from vllm import SamplingParams
 
-    a = build_tiny_checkpoint(tmp_path / "a", seed=0, tokenizer=False)
-    with vllm_engine(a, in_process=True, **{**ENGINE, "dtype": "float32"}) as llm:
-        with pytest.raises(RuntimeError, match=r"model\.layers\.0\.attn\.wo_b: vLLM's CPU GEMM "
-                                               r"dispatch packed this weight away.*start a new engine"):
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(a)})
+    sp = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=1)
+
+    def run(llm):
+        outs = llm.generate(PROMPTS, sp)
+        return ([list(o.outputs[0].token_ids) for o in outs],
+                [[{t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs[1:]] for o in outs])
+
+    fresh_b, before, after, _ = _reload(*a_and_b, run, **{**ENGINE, "dtype": "float32"})
+    assert before[0] != fresh_b[0]
+    assert after == fresh_b
+
+
+def test_in_place_reload_with_mtp_keeps_the_output_the_new_targets(a_and_b):
+    """vLLM's reload reaches the target model only (``gpu_model_runner.reload_weights``: ``get_model()``, in 0.32
+    and 0.33), so the MTP draft keeps checkpoint A's MTP layer while its embedding and LM head, the target's
+    tensors, are B's. Its drafts are then verified by B: a float32 K=2 engine on A reloaded with B generates
+    exactly what a plain engine on B generates."""
+    import torch
+
+    from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
+
+    fresh_b, _, after, hc_head = _reload(
+        *a_and_b, _greedy, inspect=lambda llm: drafter(llm).model.layer(0).hc_head.fn.detach().clone(),
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **{**ENGINE, "dtype": "float32"})
+    assert after == fresh_b
+    # what the README says: the draft's own weights change only with a new engine
+    assert torch.equal(hc_head, CheckpointReader(a_and_b[0]).get("mtp.0.hc_head_fn"))
+    assert not torch.equal(hc_head, CheckpointReader(a_and_b[1]).get("mtp.0.hc_head_fn"))

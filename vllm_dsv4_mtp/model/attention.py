@@ -42,7 +42,7 @@ from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
 from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.rope import layer_rope
 from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
-from vllm_dsv4_mtp.model.split_sums import all_reduce, wide_layer
+from vllm_dsv4_mtp.model.split_sums import all_reduce, split_sum_linear, wide_layer
 
 # the intermediates of one group of segments (masks, gathered keys, indexer scores) stay below this many elements
 GROUP_BUDGET = 1 << 23
@@ -169,10 +169,10 @@ class DeepseekV4Attention(nn.Module):
         self.wo_a = GroupedLinear(
             self.n_heads * self.head_dim // self.n_groups, self.o_lora_rank, self.n_groups, self.n_local_groups
         )
-        self.wo_b = RowParallelLinear(
+        self.wo_b = split_sum_linear(RowParallelLinear(
             self.n_groups * self.o_lora_rank, self.hidden_size, bias=False, quant_config=LINEARS,
             prefix=f"{prefix}.wo_b", return_bias=False,
-        )
+        ))
         self.attn_sink = nn.Parameter(torch.empty(self.n_local_heads, dtype=torch.float32), requires_grad=False)
         self.attn_sink.weight_loader = self._load_sink  # type: ignore[attr-defined]
         self._wo_b_wide: Linear | None = None  # float32 models: wo_b in float64, set by pack()

@@ -111,18 +111,25 @@ class Float32RouteLinearMethod(UnquantizedLinearMethod):
     """vLLM's unquantized linear method, except that a weight that takes :func:`float32_route` is multiplied
     through a float32 copy, ``layer.float32_weight``, made after loading. ``layer.weight`` is then emptied, as
     vLLM's own dispatch empties it when it packs a copy: the copy costs twice the 16-bit bytes, not three times.
-    vLLM's in-place reload (``reload_weights``) restores the layer's weight from its recorded shape, loads it and
-    processes the layer again, so the copy is made anew from the new weights (``tests/test_weight_reload.py``)."""
+    A layer marked by :func:`keep_loaded_weight` keeps its weight beside the copy. vLLM's in-place reload
+    (``reload_weights``) restores the layer's weight from its recorded shape, loads it and processes the layer
+    again, so the copy is made anew from the new weights (``tests/test_weight_reload.py``)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if getattr(layer, "float32_weight", None) is not None and layer.weight.numel() == 0:
+        keep = getattr(layer, "keeps_loaded_weight", False)
+        if not keep and getattr(layer, "float32_weight", None) is not None and layer.weight.numel() == 0:
             return  # processed already: the copy stays (a second copy would be of the emptied weight)
-        if not float32_route(layer.weight):
+        if float32_route(layer.weight):
+            w = layer.weight
+            layer.float32_weight = w.detach().float()
+            if not keep:
+                layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
+        elif keep and layer.weight.device.type == "cpu":
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)  # vLLM's packed copy beside the weight
+        else:
             super().process_weights_after_loading(layer)
-            return
-        w = layer.weight
-        layer.float32_weight = w.detach().float()
-        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x: [..., K]`` -> ``[..., N]``; on the route the float32 product rounded once to ``x.dtype``."""
@@ -132,20 +139,25 @@ class Float32RouteLinearMethod(UnquantizedLinearMethod):
         return F.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
 
 
+def keep_loaded_weight(layer: LinearBase) -> LinearBase:
+    """Mark one of the model's vLLM linears (built with :data:`LINEARS`) whose weight a pack of the model reads
+    after loading (a shared expert that joins the routed experts' pass; a float32 model's float64 copies,
+    ``model/split_sums.py``): its method processes it as any other (vLLM's packed copy, or the float32 route's)
+    but leaves the loaded weight in place, at the cost of its bytes once more. vLLM's in-place reload
+    (``reload_weights``) processes each layer as soon as its tensors are in, before the model's ``load_weights``
+    packs, and a weight packed away would leave that pack nothing to read. Returns ``layer``."""
+    layer.keeps_loaded_weight = True
+    return layer
+
+
 def loaded_weight(layer: LinearBase) -> torch.Tensor:
-    """The weight ``[N, K]`` of one of the model's vLLM linears as loaded, for a pack that reads it (the MoE's
-    joined shared expert), also once vLLM has processed the layer: vLLM's in-place reload (``reload_weights``)
-    processes each layer as soon as its tensors are in, before the model's ``load_weights`` returns and packs.
-    On the float32 route the float32 copy gives the 16-bit weight back exactly; where vLLM's own dispatch packed
-    the weight away the error names the layer by its ``prefix``."""
-    if layer.weight.numel() > 0:
-        return layer.weight.data
-    wide = getattr(layer, "float32_weight", None)
-    if wide is not None:
-        return wide.to(layer.weight.dtype)
-    raise RuntimeError(f"{layer.prefix}: vLLM's CPU GEMM dispatch packed this weight away after loading, so the "
-                       "weights cannot be packed again: in-place reload (reload_weights) of this model is "
-                       "not supported on this CPU; start a new engine on the new weights")
+    """The weight ``[N, K]`` of one of the model's vLLM linears as loaded, for a pack that reads it; the layer
+    must be marked by :func:`keep_loaded_weight`, and an unmarked one is an error naming it by its ``prefix``
+    (its weight may be packed away once vLLM has processed it)."""
+    if not getattr(layer, "keeps_loaded_weight", False):
+        raise RuntimeError(f"{layer.prefix}: a pack reads this layer's loaded weight, which vLLM's CPU dispatch "
+                           "may pack away after loading: build the layer with keep_loaded_weight")
+    return layer.weight.data
 
 
 class PortableLinearConfig(PortableConfigBase):

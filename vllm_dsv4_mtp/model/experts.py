@@ -143,7 +143,7 @@ class PortableExperts(nn.Module):
         the pass for a single token (DeepSeek-V4's own); otherwise its experts' bytes (and the shared expert's)
         come once more, as vLLM's packed copy (on CPU the concatenated copy is dropped after packing)."""
         n = self.local_experts + (shared is not None)
-        if not all_experts_pay(1, n, self.local_intermediate, self.hidden_size, w4a4=self.activation_quant):
+        if not self.packs_all(with_shared=shared is not None):
             self._all, self._all_shared = None, False
             return
         w13, w2 = self.w13_weight.data, self.w2_weight.data
@@ -151,7 +151,7 @@ class PortableExperts(nn.Module):
             want = ((2 * self.local_intermediate, self.hidden_size), (self.hidden_size, self.local_intermediate))
             if tuple(tuple(w.shape) for w in shared) != want:
                 raise ValueError(f"pack_all: the shared expert's weights are {[tuple(w.shape) for w in shared]}, "
-                                 f"expected {list(want)} (pack before vLLM's process_weights_after_loading)")
+                                 f"expected {list(want)}")
             w13 = torch.cat([w13, shared[0].data.to(w13.dtype).unsqueeze(0)])
             w2 = torch.cat([w2, shared[1].data.to(w2.dtype).unsqueeze(0)])
         self._all_shared = shared is not None
@@ -159,6 +159,12 @@ class PortableExperts(nn.Module):
             dispatched_linear(w13.reshape(n * 2 * self.local_intermediate, self.hidden_size)),
             _down_linear(w2.permute(1, 0, 2).reshape(self.hidden_size, n * self.local_intermediate)),
         )
+
+    def packs_all(self, with_shared: bool) -> bool:
+        """Whether :meth:`pack_all` makes the all-expert pass, with the shared expert as one more expert or
+        without: where a single token would take it (:func:`all_experts_pay`)."""
+        return all_experts_pay(1, self.local_experts + with_shared, self.local_intermediate, self.hidden_size,
+                               w4a4=self.activation_quant)
 
     def takes_all(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` tokens runs :meth:`forward_all` (packed by :meth:`pack_all`, and

@@ -22,9 +22,9 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowPar
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, loaded_weight
+from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, keep_loaded_weight, loaded_weight
 from vllm_dsv4_mtp.model.experts import PortableExperts, swiglu_clamped
-from vllm_dsv4_mtp.model.split_sums import all_reduce, partial_dtype, wide_layer
+from vllm_dsv4_mtp.model.split_sums import all_reduce, partial_dtype, split_sum_linear, wide_layer
 
 _SCORE_FUNCS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
@@ -84,10 +84,10 @@ class SharedExpert(nn.Module):
             return_bias=False,
         )
         # reduce_results=False: the MoE all-reduces routed + shared once
-        self.down_proj = RowParallelLinear(
+        self.down_proj = split_sum_linear(RowParallelLinear(
             intermediate_size, hidden_size, bias=False, quant_config=LINEARS, reduce_results=False,
             prefix=f"{prefix}.down_proj", return_bias=False,
-        )
+        ))
         self.swiglu_limit = swiglu_limit
         self.activation_quant = activation_quant
         self.local_intermediate = intermediate_size // get_tensor_model_parallel_world_size()
@@ -137,6 +137,9 @@ class DeepseekV4MoE(nn.Module):
             tp_rank=get_tensor_model_parallel_rank(), tp_size=tp_size, expert_parallel=expert_parallel,
             activation_quant=routed_w4a4,
         )
+        if self._packs_shared():
+            keep_loaded_weight(self.shared_experts.gate_up_proj)
+            keep_loaded_weight(self.shared_experts.down_proj)
 
     def _shared_joins(self) -> bool:
         """Whether the shared expert runs in the routed experts' pass: the same SwiGLU, rounding and width."""
@@ -144,12 +147,16 @@ class DeepseekV4MoE(nn.Module):
         return (se.activation_quant, se.local_intermediate, se.swiglu_limit) == (
             ex.activation_quant, ex.local_intermediate, ex.swiglu_limit)
 
+    def _packs_shared(self) -> bool:
+        """Whether :meth:`pack` copies the shared expert's weights into the experts' all-expert pass (the
+        shared expert's linears then keep their loaded weights: ``cpu_linear.keep_loaded_weight``)."""
+        return self._shared_joins() and self.experts.packs_all(with_shared=True)
+
     def pack(self) -> None:
-        """After loading: the experts' all-expert pass, with the shared expert in it where it joins."""
+        """After loading: the experts' all-expert pass, with the shared expert in it where it joins and the pass
+        still pays with it (else without it, where the pass pays for the routed experts alone)."""
         se = self.shared_experts
-        shared = None
-        if self._shared_joins():
-            shared = (loaded_weight(se.gate_up_proj), loaded_weight(se.down_proj))
+        shared = (loaded_weight(se.gate_up_proj), loaded_weight(se.down_proj)) if self._packs_shared() else None
         self.experts.pack_all(shared)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:

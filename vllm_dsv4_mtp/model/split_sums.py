@@ -10,8 +10,8 @@ keep vLLM's kernels and all-reduce: a BF16 part's own rounding is far coarser th
 
 Cost, float32 models only (TP1 included): these GEMMs run as plain float64 ``F.linear`` calls, and under TP each
 layer's two all-reduces go through gloo. Memory: the routed experts' float64 ``w2`` copies replace their packed
-float32 ones (their bytes once more); ``wo_b`` and the shared expert's ``down_proj`` keep vLLM's packed float32
-copy, unused, beside the float64 one (their bytes twice more).
+float32 ones (their bytes once more); ``wo_b`` and the shared expert's ``down_proj`` keep their loaded weight and
+vLLM's packed float32 copy, unused, beside the float64 one (their bytes three times more).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group, tensor_model_parallel_all_reduce
 
-from vllm_dsv4_mtp.model.cpu_linear import Linear, loaded_weight
+from vllm_dsv4_mtp.model.cpu_linear import Linear, keep_loaded_weight, loaded_weight
 
 WIDE = torch.float64
 
@@ -43,10 +43,16 @@ def wide_linear(weight: torch.Tensor) -> Linear | None:
     return lambda x: F.linear(x.to(WIDE), wide)
 
 
+def split_sum_linear(layer: torch.nn.Module) -> torch.nn.Module:
+    """Mark a row-parallel vLLM linear of the model (``wo_b``, the shared expert's ``down_proj``), built in the
+    model's dtype: a float32 one keeps its loaded weight (``cpu_linear.keep_loaded_weight``), which
+    :func:`wide_layer` copies to float64 when the model packs, also after an in-place reload. Returns ``layer``."""
+    return keep_loaded_weight(layer) if layer.weight.dtype == torch.float32 else layer
+
+
 def wide_layer(layer: torch.nn.Module) -> Linear | None:
-    """:func:`wide_linear` of one of the model's vLLM linears, read through
-    :func:`~vllm_dsv4_mtp.model.cpu_linear.loaded_weight` for a float32 layer only, since the others need no
-    float64 copy and vLLM may have packed their weight away (an in-place reload on an AVX512-BF16 / AMX CPU)."""
+    """:func:`wide_linear` of a linear marked by :func:`split_sum_linear`: float32 layers only (the others keep
+    vLLM's kernels, and vLLM may have packed their weight away)."""
     return wide_linear(loaded_weight(layer)) if layer.weight.dtype == torch.float32 else None
 
 

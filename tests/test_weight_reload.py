@@ -93,15 +93,31 @@ def test_in_place_reload_with_mtp_keeps_the_output_the_new_targets(a_and_b):
     """vLLM's reload reaches the target model only (``gpu_model_runner.reload_weights``: ``get_model()``, in 0.32
     and 0.33), so the MTP draft keeps checkpoint A's MTP layer while its embedding and LM head, the target's
     tensors, are B's. Its drafts are then verified by B: a float32 K=2 engine on A reloaded with B generates
-    exactly what a plain engine on B generates."""
+    exactly what a plain engine on B generates, and the target's load says so once, as a warning."""
+    import logging
+
     import torch
 
     from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
 
-    fresh_b, _, after, hc_head = _reload(
-        *a_and_b, _greedy, inspect=lambda llm: drafter(llm).model.layer(0).hc_head.fn.detach().clone(),
-        speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **{**ENGINE, "dtype": "float32"})
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    records = Records()
+    logging.getLogger("vllm.dsv4_mtp.model").addHandler(records)  # the target's logger, in this process
+    try:
+        fresh_b, _, after, hc_head = _reload(
+            *a_and_b, _greedy, inspect=lambda llm: drafter(llm).model.layer(0).hc_head.fn.detach().clone(),
+            speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **{**ENGINE, "dtype": "float32"})
+    finally:
+        logging.getLogger("vllm.dsv4_mtp.model").removeHandler(records)
     assert after == fresh_b
-    # what the README says: the draft's own weights change only with a new engine
+    assert sum("the MTP draft keeps the MTP layer it started with" in m for m in records.messages) == 1
+    # what the README says (and the warning): the draft's own weights change only with a new engine
     assert torch.equal(hc_head, CheckpointReader(a_and_b[0]).get("mtp.0.hc_head_fn"))
     assert not torch.equal(hc_head, CheckpointReader(a_and_b[1]).get("mtp.0.hc_head_fn"))

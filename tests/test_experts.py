@@ -143,12 +143,17 @@ def test_parallel_ranks_sum_to_the_whole(expert_parallel):
         assert p.weight_loader(p, weights[3]["w1"], "experts.3.w1.weight", "w1", 3, return_success=True) is True
 
 
+def _kept(w: torch.Tensor, prefix: str = "layers.0.ffn.shared_experts.gate_up_proj") -> SimpleNamespace:
+    """What ``pack_all`` reads of a shared-expert linear (``cpu_linear.loaded_weight``): a marked layer's weight."""
+    return SimpleNamespace(weight=torch.nn.Parameter(w, requires_grad=False), keeps_loaded_weight=True, prefix=prefix)
+
+
 def _all_and_dispatch(ex, x, ws, ids, shared=None):
     """The all-expert pass and the dispatch on the same input (``shared``: the shared expert's weights)."""
     dense = None
     if shared is not None:
         dense = (lambda v: v @ shared[0].T, lambda h: h @ shared[1].T)
-    ex.pack_all(shared)
+    ex.pack_all(None if shared is None else tuple(map(_kept, shared)))
     assert ex.takes_all(x.shape[0])
     return ex.forward_all(x, ws, ids), ex(x, ws, ids, dense=dense)
 
@@ -191,7 +196,7 @@ def test_all_expert_pass_computes_the_dispatch(dtype, w4a4, split, with_shared):
             assert (bad - got).abs().max().item() > 1e3 * tol * scale or split == "ep"
 
 
-def test_all_expert_pass_is_taken_for_small_moes_only():
+def test_all_expert_pass_is_taken_for_small_moes_only(monkeypatch):
     """The embedded model's MoE (8 experts + the shared one, 128 x 128) takes the all-expert pass for a decode
     step of 64 requests (BF16) and not for a verify window of 3 x 64 tokens; W4A4 for fewer tokens; DeepSeek-V4's
     own experts (256 of 2048 x 7168) never; nothing before pack_all; pack_all refuses mis-shaped shared weights."""
@@ -202,7 +207,17 @@ def test_all_expert_pass_is_taken_for_small_moes_only():
     assert not experts.all_experts_pay(1, 256, 2048, 7168, w4a4=False)
     tiny = experts.PortableExperts(8, 128, 128, 10.0, dtype=torch.bfloat16)
     assert not tiny.takes_all(1)  # not packed
-    tiny.pack_all((torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(128, 128, dtype=torch.bfloat16)))
+    bf16 = dict(dtype=torch.bfloat16)
+    tiny.pack_all((_kept(torch.zeros(256, 128, **bf16)), _kept(torch.zeros(128, 128, **bf16))))
     assert tiny.takes_all(64) and not tiny.takes_all(192)
     with pytest.raises(ValueError, match="shared expert's weights"):
-        tiny.pack_all((torch.zeros(128, 128), torch.zeros(128, 128)))
+        tiny.pack_all((_kept(torch.zeros(128, 128)), _kept(torch.zeros(128, 128))))
+    # a MoE whose pass would not pay with the shared expert in it makes none and reads nothing of it (its
+    # linears are then not kept, and vLLM may have emptied them), even where the routed experts alone would pay
+    edge = experts.PortableExperts(8, 128, 128, 10.0, dtype=torch.bfloat16)
+    assert edge.packs_all(with_shared=False)
+    monkeypatch.setattr(experts, "ALL_EXPERTS_MACS", 8 * 3 * 128 * 128)
+    assert edge.packs_all(with_shared=False) and not edge.packs_all(with_shared=True)
+    emptied = SimpleNamespace(weight=torch.empty(0), keeps_loaded_weight=False, prefix="x")
+    edge.pack_all((emptied, emptied))
+    assert not edge.takes_all(1)

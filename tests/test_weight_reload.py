@@ -35,14 +35,24 @@ def a_and_b(tmp_path):
             build_tiny_checkpoint(tmp_path / "b", seed=1, tokenizer=False))
 
 
-def _reload(a, b, run, *, inspect=lambda llm: None, speculative_config=None, **engine):
-    """``(fresh, before, after, seen)``: ``run(llm)`` on a fresh engine on ``b``, then on an engine on ``a``
-    (with ``speculative_config``) before and after its in-place reload with ``b``; ``seen = inspect(llm)`` after."""
+def _reload(a, b, run, *, inspect=lambda llm: None, first=None, from_tensors=False, **engine):
+    """``(fresh, before, after, seen)``: ``run(llm)`` on a fresh engine on ``b``, then on an engine on ``a`` (with
+    ``first``'s extra arguments) before and after its in-place reload with ``b`` (its path, or, ``from_tensors``,
+    its tensors, as RL trainers push them); ``seen = inspect(llm)`` after. ``before`` is None for a dummy load."""
+    from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
+
+    first = first or {}
     with vllm_engine(b, in_process=True, **engine) as llm:
         fresh = run(llm)
-    with vllm_engine(a, in_process=True, speculative_config=speculative_config, **engine) as llm:
-        before = run(llm)
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(b)})
+    with vllm_engine(a, in_process=True, **first, **engine) as llm:
+        # a dummy load has random hash-routing tables: no forward before the reload
+        before = None if first.get("load_format") == "dummy" else run(llm)
+        if from_tensors:
+            tensors = CheckpointReader(b)
+            llm.collective_rpc("reload_weights",
+                               kwargs={"weights_iterator": [(n, tensors.get(n)) for n in tensors.names()]})
+        else:
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(b)})
         return fresh, before, run(llm), inspect(llm)
 
 
@@ -89,11 +99,13 @@ def test_in_place_reload_of_a_float32_model_serves_exactly_the_new_weights(a_and
     assert after == fresh_b
 
 
-def test_in_place_reload_with_mtp_keeps_the_output_the_new_targets(a_and_b):
-    """vLLM's reload reaches the target model only (``gpu_model_runner.reload_weights``: ``get_model()``, in 0.32
-    and 0.33), so the MTP draft keeps checkpoint A's MTP layer while its embedding and LM head, the target's
-    tensors, are B's. Its drafts are then verified by B: a float32 K=2 engine on A reloaded with B generates
-    exactly what a plain engine on B generates, and the target's load says so once, as a warning."""
+def test_reload_of_a_dummy_loaded_mtp_engine_serves_the_new_target_and_warns_about_the_draft(a_and_b):
+    """The RL trainers' pattern: an engine started with ``load_format="dummy"`` and MTP K=2, then handed the
+    trained tensors by ``reload_weights(weights_iterator=...)``. vLLM's reload reaches the target model only
+    (``gpu_model_runner.reload_weights``: ``get_model()``, in 0.32 and 0.33), so the draft keeps its random MTP
+    layer while its embedding and LM head, the target's tensors, are B's. Its drafts are verified by B: the
+    engine generates exactly what a plain engine on B generates (float32), and the target's load warns once
+    that the draft was not reloaded."""
     import logging
 
     import torch
@@ -113,11 +125,11 @@ def test_in_place_reload_with_mtp_keeps_the_output_the_new_targets(a_and_b):
     try:
         fresh_b, _, after, hc_head = _reload(
             *a_and_b, _greedy, inspect=lambda llm: drafter(llm).model.layer(0).hc_head.fn.detach().clone(),
-            speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **{**ENGINE, "dtype": "float32"})
+            first={"load_format": "dummy", "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
+            from_tensors=True, **{**ENGINE, "dtype": "float32"})
     finally:
         logging.getLogger("vllm.dsv4_mtp.model").removeHandler(records)
     assert after == fresh_b
     assert sum("the MTP draft keeps the MTP layer it started with" in m for m in records.messages) == 1
-    # what the README says (and the warning): the draft's own weights change only with a new engine
-    assert torch.equal(hc_head, CheckpointReader(a_and_b[0]).get("mtp.0.hc_head_fn"))
+    # what the README and the warning say: the draft's own weights change only with a new engine
     assert not torch.equal(hc_head, CheckpointReader(a_and_b[1]).get("mtp.0.hc_head_fn"))

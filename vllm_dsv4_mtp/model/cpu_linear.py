@@ -34,6 +34,7 @@ from vllm.model_executor.layers.linear import (
     UnquantizedLinearMethod,
     register_weight_loader_v2_supported_method,
 )
+from vllm.platforms import current_platform
 
 from vllm_dsv4_mtp.portable_quant_config import PortableConfigBase
 
@@ -124,7 +125,7 @@ class Float32RouteLinearMethod(UnquantizedLinearMethod):
             layer.float32_weight = w.detach().float()
             if not keep:
                 layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
-        elif keep and layer.weight.device.type == "cpu":
+        elif keep and current_platform.is_cpu():
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
             dispatch_cpu_unquantized_gemm(layer, remove_weight=False)  # vLLM's packed copy beside the weight
@@ -157,6 +158,9 @@ def loaded_weight(layer: LinearBase) -> torch.Tensor:
     if not getattr(layer, "keeps_loaded_weight", False):
         raise RuntimeError(f"{layer.prefix}: a pack reads this layer's loaded weight, which vLLM's CPU dispatch "
                            "may pack away after loading: build the layer with keep_loaded_weight")
+    if layer.weight.numel() == 0:
+        raise RuntimeError(f"{layer.prefix}: marked to keep its loaded weight, but the weight is empty (something "
+                           "other than this layer's method processed it)")
     return layer.weight.data
 
 

@@ -94,7 +94,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         spec = self.model.spec
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(spec.vocab_size)
-        self._loads = 0  # load_weights calls: a second one is vLLM's in-place reload
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -139,13 +138,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Load the main-model tensors of a native checkpoint (``mtp.*`` is the draft's); strict, see
         :class:`vllm_dsv4_mtp.weights.loader.CheckpointLoader`."""
         spec = self.model.spec
+        # vLLM's in-place reload puts every layer on the meta device first (a dummy-loaded model's first load too)
+        reload = any(p.is_meta for p in self.parameters())
         loaded = CheckpointLoader(
             self, spec, scope=TARGET, dtype=self.vllm_config.model_config.dtype, source=self.source,
             param_for=lambda name: target_param(name, num_hidden_layers=spec.num_hidden_layers),
         ).load(weights)
         pack_weights(self)
-        self._loads += 1
-        if self._loads > 1 and self.model._mtp_hidden_buffer is not None:
+        if reload and self.model._mtp_hidden_buffer is not None:
             # vLLM's reload_weights reaches get_model() only (0.32, 0.33): the draft is a model of its own
             logger.warning("vllm-dsv4-mtp: weights reloaded in place into the target only; the MTP draft keeps "
                            "the MTP layer it started with (outputs are the new target's, verified; acceptance may "

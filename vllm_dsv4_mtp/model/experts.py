@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.model.cpu_linear import Linear, dispatched_linear, plain_linears, slice_linears
+from vllm_dsv4_mtp.model.cpu_linear import Linear, dispatched_linear, loaded_weight, plain_linears, slice_linears
 from vllm_dsv4_mtp.model.split_sums import partial_dtype, wide_linear
 
 # The all-expert pass (every expert's GEMMs over every token) while those cost at most this many multiply-adds;
@@ -136,24 +136,27 @@ class PortableExperts(nn.Module):
         a float32 model's ``w2``, a sum TP splits, in float64: ``model/split_sums.py``)."""
         self._linears = list(zip(slice_linears(self.w13_weight), map(_down_linear, self.w2_weight.data)))
 
-    def pack_all(self, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def pack_all(self, shared: tuple[nn.Module, nn.Module] | None = None) -> None:
         """After loading: the all-expert pass's two linears (:meth:`forward_all`), every local expert side by
-        side, then ``shared = (w13 [2 I, D], w2 [D, I])`` (the shared expert, of this rank's width) as one
-        more: ``w13 [(E + 1) 2 I, D]``, ``w2 [D, (E + 1) I]``. Nothing is made for a MoE that would not take
-        the pass for a single token (DeepSeek-V4's own); otherwise its experts' bytes (and the shared expert's)
-        come once more, as vLLM's packed copy (on CPU the concatenated copy is dropped after packing)."""
+        side, then the shared expert ``shared = (gate_up_proj, down_proj)`` (its vLLM linears, of this rank's
+        width, marked by ``cpu_linear.keep_loaded_weight``: their weights ``[2 I, D]``, ``[D, I]`` are read
+        here) as one more: ``w13 [(E + 1) 2 I, D]``, ``w2 [D, (E + 1) I]``. Nothing is made (and nothing
+        read) for a MoE that would not take the pass for a single token (DeepSeek-V4's own, :meth:`packs_all`);
+        otherwise its experts' bytes (and the shared expert's) come once more, as vLLM's packed copy (on CPU the
+        concatenated copy is dropped after packing)."""
         n = self.local_experts + (shared is not None)
         if not self.packs_all(with_shared=shared is not None):
             self._all, self._all_shared = None, False
             return
         w13, w2 = self.w13_weight.data, self.w2_weight.data
         if shared is not None:
+            s13, s2 = (loaded_weight(layer) for layer in shared)
             want = ((2 * self.local_intermediate, self.hidden_size), (self.hidden_size, self.local_intermediate))
-            if tuple(tuple(w.shape) for w in shared) != want:
-                raise ValueError(f"pack_all: the shared expert's weights are {[tuple(w.shape) for w in shared]}, "
-                                 f"expected {list(want)}")
-            w13 = torch.cat([w13, shared[0].data.to(w13.dtype).unsqueeze(0)])
-            w2 = torch.cat([w2, shared[1].data.to(w2.dtype).unsqueeze(0)])
+            if (tuple(s13.shape), tuple(s2.shape)) != want:
+                raise ValueError(f"pack_all: the shared expert's weights are {[tuple(s13.shape), tuple(s2.shape)]},"
+                                 f" expected {list(want)}")
+            w13 = torch.cat([w13, s13.to(w13.dtype).unsqueeze(0)])
+            w2 = torch.cat([w2, s2.to(w2.dtype).unsqueeze(0)])
         self._all_shared = shared is not None
         self._all = (
             dispatched_linear(w13.reshape(n * 2 * self.local_intermediate, self.hidden_size)),
@@ -161,8 +164,8 @@ class PortableExperts(nn.Module):
         )
 
     def packs_all(self, with_shared: bool) -> bool:
-        """Whether :meth:`pack_all` makes the all-expert pass, with the shared expert as one more expert or
-        without: where a single token would take it (:func:`all_experts_pay`)."""
+        """Whether :meth:`pack_all` makes the all-expert pass (and reads the shared expert's weights, where
+        ``with_shared``): where a single token would take it (:func:`all_experts_pay`)."""
         return all_experts_pay(1, self.local_experts + with_shared, self.local_intermediate, self.hidden_size,
                                w4a4=self.activation_quant)
 

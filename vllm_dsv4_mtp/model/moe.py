@@ -22,7 +22,7 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowPar
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, keep_loaded_weight, loaded_weight
+from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, keep_loaded_weight
 from vllm_dsv4_mtp.model.experts import PortableExperts, swiglu_clamped
 from vllm_dsv4_mtp.model.split_sums import all_reduce, partial_dtype, split_sum_linear, wide_layer
 
@@ -149,15 +149,14 @@ class DeepseekV4MoE(nn.Module):
 
     def _packs_shared(self) -> bool:
         """Whether :meth:`pack` copies the shared expert's weights into the experts' all-expert pass (the
-        shared expert's linears then keep their loaded weights: ``cpu_linear.keep_loaded_weight``)."""
+        shared expert's linears then keep their loaded weights, ``cpu_linear.keep_loaded_weight``; where it
+        joins but the pass would not pay with it, no pass is made and nothing is read)."""
         return self._shared_joins() and self.experts.packs_all(with_shared=True)
 
     def pack(self) -> None:
-        """After loading: the experts' all-expert pass, with the shared expert in it where it joins and the pass
-        still pays with it (else without it, where the pass pays for the routed experts alone)."""
+        """After loading: the experts' all-expert pass, with the shared expert in it where it joins."""
         se = self.shared_experts
-        shared = (loaded_weight(se.gate_up_proj), loaded_weight(se.down_proj)) if self._packs_shared() else None
-        self.experts.pack_all(shared)
+        self.experts.pack_all((se.gate_up_proj, se.down_proj) if self._shared_joins() else None)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """``x: [T, D]`` (the normed sub-layer input), ``input_ids: [T]`` -> ``[T, D]``."""

@@ -38,7 +38,7 @@ def wide_linear(weight: torch.Tensor) -> Linear | None:
         return None
     if weight.numel() == 0:
         raise ValueError("wide_linear: the weight is empty (vLLM's CPU dispatch drops a packed layer's weight): "
-                         "pack before vLLM's process_weights_after_loading")
+                         "copy it before vLLM processes the layer, or mark the layer (split_sum_linear)")
     wide = weight.detach().to(WIDE)
     return lambda x: F.linear(x.to(WIDE), wide)
 

@@ -1,9 +1,11 @@
 """vLLM's in-place weight reload (``LLM.collective_rpc("reload_weights", ...)``, what RL trainers use to push new
-weights into a running engine) on the plugin's model, on the float32 GEMM route (``model/cpu_linear.py``).
+weights into a running engine) on the plugin's model: bf16 on the float32 GEMM route (``model/cpu_linear.py``)
+and on vLLM's own 16-bit CPU GEMM, float32, and a dummy-loaded engine with MTP on.
 
 vLLM's reload processes each layer as soon as its tensors are in, so the route has already emptied the shared
 expert's 16-bit weights when the model's ``load_weights`` packed the MoE's joined expert pass: the reload failed
-half way with the MoE's pack error, leaving a model of mixed weights behind; a float32 model's reload failed at
+half way with the MoE's pack error, leaving a model of mixed weights behind; where vLLM's dispatch packs 16-bit
+weights (AVX512-BF16 / AMX CPUs) it failed at the shared expert the same way, and a float32 model's reload failed at
 ``wo_b``, whose weight vLLM's float32 dispatch had packed away. The layers whose weights a pack reads now keep
 them (``cpu_linear.keep_loaded_weight``).
 """
@@ -56,25 +58,32 @@ def _reload(a, b, run, *, inspect=lambda llm: None, first=None, from_tensors=Fal
         return fresh, before, run(llm), inspect(llm)
 
 
-def test_in_place_reload_on_the_float32_route_serves_exactly_the_new_weights(a_and_b, monkeypatch):
+@pytest.mark.parametrize("route", [True, False], ids=["float32-route", "vllm-16bit-gemm"])
+def test_in_place_reload_of_a_bf16_model_serves_exactly_the_new_weights(a_and_b, monkeypatch, route):
     """An engine started on checkpoint A and reloaded in place with checkpoint B generates what a fresh engine
-    on B generates, token for token, with the route still taken (float32 copies of B's weights; the joined shared
-    expert keeps B's loaded weight beside it)."""
+    on B generates, token for token, the joined shared expert keeping B's loaded weight beside what its GEMM
+    reads: on the float32 route (forced on any CPU), its float32 copy of B; off it (forced: vLLM's own CPU GEMM
+    dispatch, which on AVX512-BF16 / AMX CPUs packs bf16 weights away for oneDNN / sgl-kernel), vLLM's GEMM
+    and no copy."""
     import torch
 
     from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
     from vllm_dsv4_mtp.model import cpu_linear
 
-    monkeypatch.setattr(cpu_linear, "native_16bit_gemm", lambda d: False)  # the route on any CPU
+    monkeypatch.setattr(cpu_linear, "native_16bit_gemm", lambda d: not route)
 
     def shared_gate_up(llm):
         layer = target(llm).model.layers[1].ffn.shared_experts.gate_up_proj
-        return layer.weight.clone(), layer.float32_weight.clone()
+        return layer.weight.clone(), getattr(layer, "float32_weight", None)
 
     fresh_b, before, after, (weight, wide) = _reload(*a_and_b, _greedy, inspect=shared_gate_up, **ENGINE)
     b = CheckpointReader(a_and_b[1])
     want = torch.cat([b.get(f"layers.1.ffn.shared_experts.{s}.weight") for s in ("w1", "w3")])
-    assert torch.equal(weight, want) and torch.equal(wide, want.float())
+    assert torch.equal(weight, want)
+    if route:
+        assert torch.equal(wide, want.float())
+    else:
+        assert wide is None
     assert before != fresh_b  # the two checkpoints differ where it shows
     assert after == fresh_b
 

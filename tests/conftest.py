@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import pytest
 
@@ -39,9 +38,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module")
-def vllm_dist():
-    """A one-process vLLM distributed environment (TP = 1, gloo on a free loopback port) inside a default
-    ``VllmConfig``: what vLLM's parallel layers need to be built and loaded outside an engine."""
+def vllm_dist(tmp_path_factory):
+    """A one-process vLLM distributed environment (TP = 1, gloo with a file rendezvous) inside a default
+    ``VllmConfig``: what vLLM's parallel layers need to be built and loaded outside an engine. A file, not a
+    loopback port found free and released, which a concurrent engine could take first."""
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import (
@@ -51,12 +51,10 @@ def vllm_dist():
         initialize_model_parallel,
     )
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    rendezvous = tmp_path_factory.mktemp("vllm-dist") / "rendezvous"
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+                                     distributed_init_method=f"file://{rendezvous}", backend="gloo")
         initialize_model_parallel(1, 1)
         torch.set_default_dtype(torch.float32)
         yield

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 
-def rank_main(rank: int, world: int, port: int, out: str, mode: str, dirs: list[str]) -> None:
+def rank_main(rank: int, world: int, rendezvous: str, out: str, mode: str, dirs: list[str]) -> None:
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -29,7 +29,7 @@ def rank_main(rank: int, world: int, port: int, out: str, mode: str, dirs: list[
 
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+                                     distributed_init_method=f"file://{rendezvous}")
         initialize_model_parallel(world, 1)
     result = {}
     for d in dirs:
@@ -62,17 +62,18 @@ def rank_main(rank: int, world: int, port: int, out: str, mode: str, dirs: list[
 
 def main() -> None:
     import multiprocessing as mp
-    import socket
+    import tempfile
 
     import vllm.engine.arg_utils  # noqa: F401  (imported once, before forking)
     import vllm_dsv4_mtp.testing.in_tree_mtp  # noqa: F401
 
     world, out, mode, *dirs = sys.argv[1:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # a file rendezvous, not a loopback port found free and released: another process (a concurrent engine) can
+    # take such a port before rank 0 binds it
+    rendezvous = tempfile.mkdtemp(dir=out) + "/rendezvous"
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=rank_main, args=(r, int(world), port, out, mode, dirs)) for r in range(int(world))]
+    procs = [ctx.Process(target=rank_main, args=(r, int(world), rendezvous, out, mode, dirs))
+             for r in range(int(world))]
     for p in procs:
         p.start()
     for p in procs:

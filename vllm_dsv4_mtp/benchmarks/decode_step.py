@@ -92,13 +92,17 @@ def random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def generate(llm, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
-    """Greedy ``n`` tokens for every prompt (``ignore_eos``): (seconds, token ids)."""
+def greedy(n: int):
+    """vLLM sampling parameters for exactly ``n`` greedy tokens (``ignore_eos``), not detokenized."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+    return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+
+
+def generate(llm, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    """Greedy ``n`` tokens for every prompt (:func:`greedy`): (seconds, token ids)."""
     t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(n), use_tqdm=False)
     dt = time.perf_counter() - t
     toks = [list(o.outputs[0].token_ids) for o in outs]
     if any(len(x) != n for x in toks):
@@ -130,13 +134,9 @@ def context_sample(llm, prompts: list[list[int]], n_decode: int) -> float:
     and last token: ``(last - first) / (N - 1)``, the prefill outside it. The difference of two runs
     (:func:`step_sample`) carries the prefill's noise, which at 4,000 tokens is that of a ~1 s prefill: divided by
     32 steps it moved BF16's 4,000-token step from 0.35 to 5.7 ms between repetitions of one run (run BE)."""
-    from vllm import SamplingParams
-
     if len(prompts) != 1:
         raise ValueError(f"context_sample: one request, got {len(prompts)}")
-    sp = SamplingParams(max_tokens=n_decode, min_tokens=n_decode, temperature=0.0, ignore_eos=True,
-                        detokenize=False)
-    (out,) = llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)
+    (out,) = llm.generate([{"prompt_token_ids": prompts[0]}], greedy(n_decode), use_tqdm=False)
     m = out.metrics
     if m is None or not m.last_token_ts > m.first_token_ts > 0 or len(out.outputs[0].token_ids) != n_decode:
         raise RuntimeError(f"context_sample: no first / last token times for a {n_decode}-token request (vLLM "

@@ -69,6 +69,13 @@ def test_decode_step_measures_the_floors_own_k2_step_with_a_one_layer_draft(tmp_
         want = acc / speedup
         assert m["step_in_off_steps"] == pytest.approx(want, abs=want * 5e-4 * (1 / acc + 1 / speedup) + 5e-4 + 1e-6)
         assert m["step_in_off_steps"] > 1.0
+        # the engine core's two phases lie inside each timed generate call (3 decimals each, hence the 2 ms)
+        for w in ("off", "on"):
+            assert 0 < m["first_token_s"][w] and 0 < m["decode_s"][w]
+            assert m["first_token_s"][w] + m["decode_s"][w] <= m[f"{w}_s"] + 0.002
+        dec = m["decode_s"]
+        assert m["decode_speedup"] == pytest.approx(dec["off"] / dec["on"],
+                                                    rel=5e-4 * (1 / dec["off"] + 1 / dec["on"]) + 1e-3)
     rows = [line for line in r.stdout.splitlines() if line.startswith("| vLLM floor, 1-layer random draft |")]
     assert len(rows) == 2, r.stdout[-2000:]
 
@@ -139,6 +146,36 @@ def test_the_context_row_times_decode_steps_from_the_engines_token_times(monkeyp
         decode_step.context_sample(llm(1.0, 2.0, n=3), [[5]], 9)
     with pytest.raises(ValueError, match="one request"):
         decode_step.context_sample(llm(1.0, 2.0), [[5], [6]], 9)
+
+
+def test_a_batchs_phases_split_at_its_last_first_token(monkeypatch):
+    """MTP's end-to-end rows split each run at the last request's first token, from the engine core's times
+    (the first-token phase from the first request's queueing); a request without those times is an error; batch
+    1's requests, run one at a time, add their phases up."""
+    from types import SimpleNamespace
+
+    from vllm_dsv4_mtp.benchmarks import decode_step
+
+    def out(queued, first, last):
+        return SimpleNamespace(metrics=SimpleNamespace(queued_ts=queued, first_token_ts=first, last_token_ts=last),
+                               outputs=[SimpleNamespace(token_ids=[7] * decode_step.MTP_TOKENS)])
+
+    a, b = out(10.0, 10.2, 11.0), out(10.1, 10.5, 11.25)
+    assert decode_step.phases([a, b]) == pytest.approx((0.5, 0.75))
+    with pytest.raises(RuntimeError, match="without queued / first / last token times"):
+        decode_step.phases([a, out(0.0, 0.0, 0.0)])
+    with pytest.raises(RuntimeError, match="without queued / first / last token times"):
+        decode_step.phases([SimpleNamespace(metrics=None)])
+    runs = iter([(0.3, [a]), (0.4, [b]), (0.9, [a, b])])
+    monkeypatch.setattr(decode_step, "generate_outputs", lambda llm, prompts, n: next(runs))
+    total, toks, split = decode_step.e2e_once(None, [[1], [2]], 1)
+    assert total == pytest.approx(0.7) and len(toks) == 2
+    assert split == pytest.approx((0.2 + 0.4, 0.8 + 0.75))
+    total, toks, split = decode_step.e2e_once(None, [[1], [2]], 64)
+    assert total == pytest.approx(0.9) and split == pytest.approx((0.5, 0.75))
+    summary = decode_step.phase_summary({"off": [(0.2, 1.0), (0.3, 1.2)], "on": [(0.25, 0.5), (0.3, 0.8)]})
+    assert summary == {"first_token_s": {"off": 0.25, "on": 0.275}, "decode_s": {"off": 1.1, "on": 0.65},
+                       "decode_speedup": 1.75}
 
 
 RAISES_IN_A_MEASUREMENT = """

@@ -30,7 +30,10 @@ repetitions of the two engines' samples taken seconds apart (:func:`paired_ratio
 * what a K=2 step costs in MTP-off steps, ``acceptance length / speedup``, for the plugin models and
   for the floor with a random 1-layer Llama as its draft (vLLM's ``draft_model`` method: a quarter of the
   target's depth, as the MTP layer is of the embedded model's; random, so nothing is accepted): what vLLM's
-  speculative decoding itself costs a step at this size, whatever the draft.
+  speculative decoding itself costs a step at this size, whatever the draft;
+* where the end-to-end time goes, from the engine core's timestamps (:func:`phases`): the first-token phase
+  (to the last request's first token: prefills, requests still arriving) off and on, and the decode phase's
+  own speedup, off / on, which is what MTP changes.
 
 The JSON keeps every sample (``*_reps``).
 
@@ -101,13 +104,31 @@ def greedy(n: int):
 
 def generate(llm, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
     """Greedy ``n`` tokens for every prompt (:func:`greedy`): (seconds, token ids)."""
+    dt, outs = generate_outputs(llm, prompts, n)
+    return dt, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def generate_outputs(llm, prompts: list[list[int]], n: int) -> tuple[float, list]:
+    """:func:`generate`, returning vLLM's ``RequestOutput`` of each prompt instead of its tokens."""
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(n), use_tqdm=False)
     dt = time.perf_counter() - t
-    toks = [list(o.outputs[0].token_ids) for o in outs]
-    if any(len(x) != n for x in toks):
-        raise RuntimeError(f"expected {n} tokens per request, got {[len(x) for x in toks]}")
-    return dt, toks
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    if any(x != n for x in lengths):
+        raise RuntimeError(f"expected {n} tokens per request, got {lengths}")
+    return dt, outs
+
+
+def phases(outs) -> tuple[float, float]:
+    """Seconds of one batch's two phases, from the engine core's timestamps of its requests (``disable_log_stats``
+    off: ``ENGINE_FLAGS``): the first-token phase, from the first request's queueing to the last request's first
+    token (the prefills, requests still arriving from ``LLM.generate``, and the early requests' first decode
+    steps), and the decode phase, from there to the last token. MTP can shorten the second only."""
+    ms = [o.metrics for o in outs]
+    if any(m is None or not m.last_token_ts >= m.first_token_ts >= m.queued_ts > 0 for m in ms):
+        raise RuntimeError(f"phases: requests without queued / first / last token times: {ms}")
+    first = max(m.first_token_ts for m in ms)
+    return first - min(m.queued_ts for m in ms), max(m.last_token_ts for m in ms) - first
 
 
 def decode_step_ms(llm, prompts: list[list[int]], n_decode: int, reps: int) -> float:
@@ -174,16 +195,17 @@ def question_prompts(ckpt: str, n: int) -> list[list[int]]:
     return qp(ckpt, str(TEST_JSONL), n)
 
 
-def e2e_once(llm, prompts: list[list[int]], batch: int) -> tuple[float, list[list[int]]]:
-    """Seconds to generate ``MTP_TOKENS`` for ``prompts`` (``batch`` 1: one request at a time), and the tokens."""
-    if batch != 1:
-        return generate(llm, prompts, MTP_TOKENS)
-    total, toks = 0.0, []
-    for p in prompts:
-        dt, t = generate(llm, [p], MTP_TOKENS)
+def e2e_once(llm, prompts: list[list[int]], batch: int) -> tuple[float, list[list[int]], tuple[float, float]]:
+    """Seconds to generate ``MTP_TOKENS`` for ``prompts`` (``batch`` 1: one request at a time), the tokens, and
+    the seconds of the runs' first-token and decode :func:`phases` (batch 1: summed over the requests)."""
+    runs = [prompts] if batch != 1 else [[p] for p in prompts]
+    total, toks, split = 0.0, [], (0.0, 0.0)
+    for run in runs:
+        dt, outs = generate_outputs(llm, run, MTP_TOKENS)
         total += dt
-        toks += t
-    return total, toks
+        toks += [list(o.outputs[0].token_ids) for o in outs]
+        split = tuple(a + b for a, b in zip(split, phases(outs)))
+    return total, toks, split
 
 
 def paired_ratios(samples: dict[str, list[float]], base: str) -> dict[str, float]:
@@ -251,12 +273,14 @@ def measure_mtp(name: str, ckpt: str, off_llm, vocab: int, tmp: str, args) -> di
         for b, p in sets.items():
             before = spec_decode_from_llm(on_llm.get_metrics())
             times = {"off": [], "on": []}
+            split = {"off": [], "on": []}
             toks = {}
             for rep in range(args.reps):
                 for which in rotated(["off", "on"], rep):
                     quiet()
-                    t, toks[which] = e2e_once(off_llm if which == "off" else on_llm, p, b)
+                    t, toks[which], ph = e2e_once(off_llm if which == "off" else on_llm, p, b)
                     times[which].append(t)
+                    split[which].append(ph)
             acc = spec_decode_from_llm(on_llm.get_metrics())
             if before is not None and acc is not None:
                 acc = acc.since(before)
@@ -268,8 +292,20 @@ def measure_mtp(name: str, ckpt: str, off_llm, vocab: int, tmp: str, args) -> di
                       "on_s_reps": [round(v, 3) for v in times["on"]],
                       "mean_acceptance_length": None if length is None else round(length, 3),
                       "step_in_off_steps": None if length is None else round(length / speedup, 3),
-                      "identical": sum(a == c for a, c in zip(toks["off"], toks["on"])), "requests": len(p)}
+                      "identical": sum(a == c for a, c in zip(toks["off"], toks["on"])), "requests": len(p),
+                      **phase_summary(split)}
     return res
+
+
+def phase_summary(split: dict[str, list[tuple[float, float]]]) -> dict:
+    """Per repetition's ``(first-token, decode)`` :func:`phases` of MTP off and on -> their medians
+    (``first_token_s`` / ``decode_s``, each ``{"off", "on"}``) and ``decode_speedup``, the median of the
+    repetitions' decode phase off / on: the part of the end-to-end speedup MTP itself can change."""
+    return {
+        "first_token_s": {w: round(statistics.median(f for f, _ in split[w]), 3) for w in ("off", "on")},
+        "decode_s": {w: round(statistics.median(d for _, d in split[w]), 3) for w in ("off", "on")},
+        "decode_speedup": round(statistics.median(off[1] / on[1] for off, on in zip(split["off"], split["on"])), 3),
+    }
 
 
 def measure(names: list[str], dirs: dict[str, str], tmp: str, args) -> list[dict]:
@@ -329,14 +365,17 @@ def render(results: list[dict]) -> str:
     if mtp:
         lines.append("")
         lines.append("| K=2 end-to-end, 64 tokens | batch | off (s) | K=2 (s) | speedup | mean acceptance length "
-                     "| K=2 step in off steps | outputs == off |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---|")
+                     "| K=2 step in off steps | first-token phase off / K=2 (s) | decode phase speedup "
+                     "| outputs == off |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in mtp:
             what = "vLLM floor, 1-layer random draft" if r["model"] == "floor" else f"{label[r['model']]}, MTP"
             for b, m in r["mtp"].items():
                 step = "-" if m["step_in_off_steps"] is None else f"{m['step_in_off_steps']:.2f}"
+                first = m["first_token_s"]
                 lines.append(f"| {what} | {b} | {m['off_s']:.2f} | {m['on_s']:.2f} | {m['speedup']:.2f}x | "
-                             f"{m['mean_acceptance_length']} | {step} | {m['identical']}/{m['requests']} |")
+                             f"{m['mean_acceptance_length']} | {step} | {first['off']:.2f} / {first['on']:.2f} | "
+                             f"{m['decode_speedup']:.2f}x | {m['identical']}/{m['requests']} |")
     return "\n".join(lines)
 
 

@@ -102,12 +102,12 @@ def _op_counts(prof, tokens: int) -> dict:
 
 
 def measure(name: str, ckpt: str, batches: list[int], n_steps: int, mtp_k: int = 0) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from vllm_dsv4_mtp.benchmarks import running
 
     # by reference (module name), so the worker's hooks and this process's calls share the worker's globals
-    from vllm_dsv4_mtp.benchmarks.decode_step import ENGINE_FLAGS, random_prompts
+    from vllm_dsv4_mtp.benchmarks.decode_step import ENGINE_FLAGS, greedy, random_prompts
     from vllm_dsv4_mtp.benchmarks.forward_hooks import start_profile, take_records
     from vllm_dsv4_mtp.benchmarks.step_parts import install, stop_profile
 
@@ -119,8 +119,7 @@ def measure(name: str, ckpt: str, batches: list[int], n_steps: int, mtp_k: int =
         res = {"model": name, "mtp_k": mtp_k, "batches": {}}
         for b in batches:
             prompts = [{"prompt_token_ids": p} for p in random_prompts(vocab, b, 100, seed=b)]
-            sp = SamplingParams(max_tokens=n_steps + 1, min_tokens=n_steps + 1, temperature=0.0, ignore_eos=True,
-                                detokenize=False)
+            sp = greedy(n_steps + 1)
             llm.generate(prompts, sp, use_tqdm=False)  # warm-up
             llm.collective_rpc(take_records)
             llm.generate(prompts, sp, use_tqdm=False)
@@ -129,9 +128,8 @@ def measure(name: str, ckpt: str, batches: list[int], n_steps: int, mtp_k: int =
             if not steps:
                 raise RuntimeError(f"{name}, batch {b}: no decode step of {tokens} tokens recorded")
             ms = {k: round(1000 * statistics.median(st[k] for st in steps), 3) for k in steps[0]}
-            short = SamplingParams(max_tokens=9, min_tokens=9, temperature=0.0, ignore_eos=True, detokenize=False)
             llm.collective_rpc(start_profile)
-            llm.generate(prompts, short, use_tqdm=False)
+            llm.generate(prompts, greedy(9), use_tqdm=False)
             ops = llm.collective_rpc(stop_profile, args=(tokens,))[0]
             res["batches"][b] = {"ms": ms, "aten_ops": ops, "steps": len(steps)}
     return res

@@ -105,7 +105,12 @@ def greedy(n: int):
 def generate(llm, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
     """Greedy ``n`` tokens for every prompt (:func:`greedy`): (seconds, token ids)."""
     dt, outs = generate_outputs(llm, prompts, n)
-    return dt, [list(o.outputs[0].token_ids) for o in outs]
+    return dt, token_ids(outs)
+
+
+def token_ids(outs) -> list[list[int]]:
+    """vLLM's ``RequestOutput`` of each request -> its generated token ids."""
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def generate_outputs(llm, prompts: list[list[int]], n: int) -> tuple[float, list]:
@@ -203,7 +208,7 @@ def e2e_once(llm, prompts: list[list[int]], batch: int) -> tuple[float, list[lis
     for run in runs:
         dt, outs = generate_outputs(llm, run, MTP_TOKENS)
         total += dt
-        toks += [list(o.outputs[0].token_ids) for o in outs]
+        toks += token_ids(outs)
         split = tuple(a + b for a, b in zip(split, phases(outs)))
     return total, toks, split
 
@@ -300,11 +305,13 @@ def measure_mtp(name: str, ckpt: str, off_llm, vocab: int, tmp: str, args) -> di
 def phase_summary(split: dict[str, list[tuple[float, float]]]) -> dict:
     """Per repetition's ``(first-token, decode)`` :func:`phases` of MTP off and on -> their medians
     (``first_token_s`` / ``decode_s``, each ``{"off", "on"}``) and ``decode_speedup``, the median of the
-    repetitions' decode phase off / on: the part of the end-to-end speedup MTP itself can change."""
+    repetitions' decode phase off / on (:func:`paired_ratios`): the part of the end-to-end speedup MTP itself
+    can change."""
+    decode = {w: [d for _, d in split[w]] for w in ("off", "on")}
     return {
         "first_token_s": {w: round(statistics.median(f for f, _ in split[w]), 3) for w in ("off", "on")},
-        "decode_s": {w: round(statistics.median(d for _, d in split[w]), 3) for w in ("off", "on")},
-        "decode_speedup": round(statistics.median(off[1] / on[1] for off, on in zip(split["off"], split["on"])), 3),
+        "decode_s": {w: round(statistics.median(d), 3) for w, d in decode.items()},
+        "decode_speedup": paired_ratios(decode, "on")["off"],
     }
 
 

@@ -178,6 +178,35 @@ def test_a_batchs_phases_split_at_its_last_first_token(monkeypatch):
                        "decode_speedup": 1.75}
 
 
+
+def test_step_parts_puts_the_k_draft_step_in_mtp_off_steps_and_bounds_the_speedup():
+    """The MTP table of ``step_parts``: each part of the K-draft step over the same model's MTP-off step at the same
+    batch, and the speedups those costs leave room for with a free draft and every draft accepted; a model or
+    batch measured only with MTP gets no row."""
+    from vllm_dsv4_mtp.benchmarks import step_parts
+
+    def ms(step, forward, draft, vllm):
+        parts = {"step": step, "forward": forward, "draft": draft, "vllm": vllm}
+        return {"ms": {**dict.fromkeys(("attention", "moe", "rest_of_forward", "draft_attention"), 0.0), **parts},
+                "aten_ops": {}}
+
+    results = [
+        {"model": "bf16", "mtp_k": 0, "batches": {1: ms(6.0, 4.5, 0.0, 1.5)}},
+        {"model": "bf16", "mtp_k": 2, "batches": {1: ms(12.0, 6.0, 2.4, 3.6), 8: ms(20.0, 9.0, 4.0, 7.0)}},
+    ]
+    (row,) = step_parts.mtp_costs(results)
+    assert (row["model"], row["batch"], row["mtp_k"]) == ("bf16", 1, 2)
+    assert row["step_in_off_steps"] == 2.0
+    # verify: 1.5 ms more forward; draft 2.4 ms; vLLM's own part 2.1 ms more: in 6 ms MTP-off steps
+    assert (row["verify"], row["draft"], row["vllm_spec"]) == (0.25, 0.4, 0.35)
+    assert row["ceiling_free_draft"] == pytest.approx(3 / 1.6, abs=1e-3)
+    assert row["ceiling_free_draft_verify"] == pytest.approx(3 / 1.35, abs=1e-3)
+    table = step_parts.render(results)
+    assert "| bf16, K=2, batch 1 | 6.00 | 2.00 | +0.25 | 0.40 | +0.35 | 1.88x | 2.22x |" in table
+    assert "batch 8 |" not in table.split("speedup ceiling")[1]
+    assert "speedup ceiling" not in step_parts.render(results[:1])  # MTP off only: no MTP table
+
+
 RAISES_IN_A_MEASUREMENT = """
 import sys
 from vllm_dsv4_mtp.benchmarks import decode_step

@@ -15,6 +15,14 @@ with MTP K drafts: a step's target forward is the verify window (``(K + 1) x bat
 draft model's forwards inside the step and ``draft_attention`` its attention layer's share of them. A second
 pass under ``torch.profiler`` counts the ``aten::`` ops (nested ones included) that start inside each part,
 per step. Medians over the steps (so the parts need not add up exactly).
+
+With ``--mtp-k K`` a second table puts each plugin model's K-draft step in MTP-off steps of the same model and
+batch (:func:`mtp_costs`): the verify's extra forward, the draft's forwards, and vLLM's own speculative work
+(the rejection sampler, the proposer's input preparation, the draft's attention metadata and sampling, the
+extra round trip to the engine core: its ``vLLM`` part minus the MTP-off step's), and the end-to-end speedup
+those costs leave room for: at most ``(K + 1) / (1 + verify + vLLM)`` with a draft that cost nothing and
+every draft accepted, and ``(K + 1) / (1 + vLLM)`` if the verify cost nothing too. A speedup bound above
+those cannot be met by a faster draft.
 """
 
 from __future__ import annotations
@@ -135,6 +143,30 @@ def measure(name: str, ckpt: str, batches: list[int], n_steps: int, mtp_k: int =
     return res
 
 
+def mtp_costs(results: list[dict]) -> list[dict]:
+    """Per model and batch measured both MTP off and with K drafts: the K-draft step's parts in MTP-off steps
+    (``verify``: its forward minus the MTP-off forward; ``draft``: the draft's forwards; ``vllm_spec``: its
+    ``vLLM`` part minus the MTP-off step's) and the speedups they leave room for with every draft accepted,
+    ``ceiling_free_draft = (K + 1) / (1 + verify + vllm_spec)`` and ``ceiling_free_draft_verify =
+    (K + 1) / (1 + vllm_spec)``."""
+    off = {(r["model"], b): v["ms"] for r in results if not r["mtp_k"] for b, v in r["batches"].items()}
+    rows = []
+    for r in results:
+        k = r["mtp_k"]
+        for b, v in r["batches"].items() if k else ():
+            o, m = off.get((r["model"], b)), v["ms"]
+            if o is None:
+                continue
+            rel = {"verify": (m["forward"] - o["forward"]) / o["step"], "draft": m["draft"] / o["step"],
+                   "vllm_spec": (m["vllm"] - o["vllm"]) / o["step"]}
+            rows.append({"model": r["model"], "batch": b, "mtp_k": k, "off_step_ms": o["step"],
+                         "step_ms": m["step"], "step_in_off_steps": round(m["step"] / o["step"], 3),
+                         **{p: round(x, 3) for p, x in rel.items()},
+                         "ceiling_free_draft": round((k + 1) / (1 + rel["verify"] + rel["vllm_spec"]), 3),
+                         "ceiling_free_draft_verify": round((k + 1) / (1 + rel["vllm_spec"]), 3)})
+    return rows
+
+
 def render(results: list[dict]) -> str:
     parts = ("step", "attention", "moe", "rest_of_forward", "draft", "draft_attention", "vllm")
     lines = ["| model, batch | " + " | ".join(f"{p} ms (aten ops)" for p in parts) + " |",
@@ -144,6 +176,13 @@ def render(results: list[dict]) -> str:
         for b, v in r["batches"].items():
             lines.append(f"| {r['model']}{mtp}, {b} | " + " | ".join(
                 f"{v['ms'][p]:.2f} ({v['aten_ops'].get(p, 0):,})" for p in parts) + " |")
+    costs = mtp_costs(results)
+    if costs:
+        lines += ["", "| in MTP-off steps | MTP-off step ms | K-draft step | verify | draft | vLLM's speculative "
+                  "work | speedup ceiling: free draft | free draft and verify |", "|---|" + "---:|" * 7]
+        lines += [f"| {c['model']}, K={c['mtp_k']}, batch {c['batch']} | {c['off_step_ms']:.2f} | "
+                  f"{c['step_in_off_steps']:.2f} | {c['verify']:+.2f} | {c['draft']:.2f} | {c['vllm_spec']:+.2f} | "
+                  f"{c['ceiling_free_draft']:.2f}x | {c['ceiling_free_draft_verify']:.2f}x |" for c in costs]
     return "\n".join(lines)
 
 
@@ -169,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.mtp_k:
             results += [measure(m, dirs[m], args.batches, args.steps, args.mtp_k) for m in args.models
                         if m != "floor"]
-    return report(render(results), results, args.json)
+    return report(render(results), {"results": results, "mtp_costs": mtp_costs(results)}, args.json)
 
 
 if __name__ == "__main__":

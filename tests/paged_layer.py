@@ -1,6 +1,7 @@
 """Test helper: drive one plugin attention layer through its paged cache step by step, as vLLM's runner does.
 
-:class:`PagedSequences` binds a NaN-filled cache (a read of a row no step wrote would poison the output),
+:class:`PagedSequences` binds a NaN-filled cache (a read of a row no step wrote would poison the output; ``fill``
+another value, for code that multiplies such rows by zero, as vLLM's CPU attention kernel does),
 hands out shuffled blocks, and for each step builds the :class:`PortableAttentionMetadata` of a batch of
 sequences (each with its new tokens), runs the layer over the whole batch at once and returns each sequence's
 outputs. ``rewind`` drops a sequence's last rows from its length (rejected speculative drafts): their rows stay
@@ -16,10 +17,11 @@ from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
 
 
 class PagedSequences:
-    def __init__(self, layer, *, block_size: int = 16, num_blocks: int = 96, seed: int = 0):
+    def __init__(self, layer, *, block_size: int = 16, num_blocks: int = 96, seed: int = 0,
+                 fill: float = float("nan")):
         self.layer = layer
         self.bs = block_size
-        layer.cache.kv_cache = torch.full((num_blocks, 1, block_size, layer.cache.cache_width), float("nan"))
+        layer.cache.kv_cache = torch.full((num_blocks, 1, block_size, layer.cache.cache_width), fill)
         self.free = list(np.random.RandomState(seed).permutation(num_blocks))
         self.blocks: dict[object, list[int]] = {}
         self.length: dict[object, int] = {}
@@ -52,8 +54,9 @@ class PagedSequences:
         return list(out.split([x.shape[0] for _, x in batch]))
 
 
-def run_in_chunks(layer, x: torch.Tensor, chunks=None) -> torch.Tensor:
-    """One sequence ``x [L, D]`` through a fresh paged cache, its tokens in ``chunks`` ((start, end) steps)."""
-    seqs = PagedSequences(layer)
+def run_in_chunks(layer, x: torch.Tensor, chunks=None, **cache) -> torch.Tensor:
+    """One sequence ``x [L, D]`` through a fresh paged cache (``cache``: :class:`PagedSequences`' options), its
+    tokens in ``chunks`` ((start, end) steps)."""
+    seqs = PagedSequences(layer, **cache)
     chunks = chunks or [(0, x.shape[0])]
     return torch.cat([seqs.step([("s", x[a:b])])[0] for a, b in chunks])

@@ -15,7 +15,9 @@ and output groups (``wo_a``) are split across tensor-parallel ranks, ``wo_b`` re
 part is :class:`vllm_dsv4_mtp.model.paged_cache.PagedRowCache` with the step's addressing
 (``model/attention_metadata.py``); this file holds the maths, batched over the whole step: the queries are
 laid out as ``[n_seg, S]`` segments (consecutive queries of one request), each segment attends to one
-contiguous window-key range plus the C128 entries it may see or (C4) each query's indexer picks.
+contiguous window-key range plus the C128 entries it may see or (C4) each query's indexer picks. A layer with
+compress ratio 0 attends through vLLM's CPU paged-attention kernel instead where that kernel takes its cache
+(``model/window_kernel.py``): the window and the sink are all it sees.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entr
 from vllm_dsv4_mtp.model.rope import layer_rope
 from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
 from vllm_dsv4_mtp.model.split_sums import all_reduce, split_sum_linear, wide_layer
+from vllm_dsv4_mtp.model.window_kernel import WindowKernel, usable
 
 # the intermediates of one group of segments (masks, gathered keys, indexer scores) stay below this many elements
 GROUP_BUDGET = 1 << 23
@@ -176,6 +179,7 @@ class DeepseekV4Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.empty(self.n_local_heads, dtype=torch.float32), requires_grad=False)
         self.attn_sink.weight_loader = self._load_sink  # type: ignore[attr-defined]
         self._wo_b_wide: Linear | None = None  # float32 models: wo_b in float64, set by pack()
+        self._window_kernel: tuple[torch.Tensor, WindowKernel | None] | None = None  # (bound cache, kernel)
 
     def _build_compression(self, spec: DeepseekV4Spec, prefix: str) -> None:
         """The layer's rope (YaRN on compressed layers), its compressor (C4 / C128) and, on C4, the indexer."""
@@ -248,6 +252,16 @@ class DeepseekV4Attention(nn.Module):
             return self.output(torch.zeros_like(q))
         return self.forward_paged(md, positions, x)
 
+    def window_kernel(self) -> WindowKernel | None:
+        """vLLM's CPU attention kernel over this layer's bound cache where it applies (a SWA layer:
+        ``model/window_kernel.py``), else None; decided once per bound cache."""
+        cache = self.cache.kv_cache
+        if self._window_kernel is None or self._window_kernel[0] is not cache:
+            kernel = (WindowKernel(cache, self.head_dim, self.window, self.scale)
+                      if self.compress_ratio == 0 and usable(cache, self.head_dim) else None)
+            self._window_kernel = (cache, kernel)
+        return self._window_kernel[1]
+
     def forward_paged(self, md, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` for explicit metadata (a ``PortableAttentionMetadata``) over the bound cache."""
         md.check_positions(positions)
@@ -255,17 +269,22 @@ class DeepseekV4Attention(nn.Module):
         x_real = x[:n]
         rot = self.rope.step_rotation(md.memo, "tokens", md.positions)
         q, qr, rows = self.project(x_real, rot)
-        self.cache.write(md, rows)
-        ch = self.channels
-        index_q = index_w = None
-        if self.compressor is not None:
-            self.compressor.complete(md, self.cache, self.rope, kv_gate_channel=ch["kv_gate"],
-                                     entry_channel=ch["entry"])
-        if self.indexer is not None:
-            self.indexer.compressor.complete(md, self.cache, self.rope, kv_gate_channel=ch["index_kv_gate"],
-                                             entry_channel=ch["ikey"])
-            index_q, index_w = self.indexer.queries(qr, x_real, rot, self.rope)
-        o = self.attend(md, q, index_q, index_w)
+        kernel = self.window_kernel()
+        if kernel is not None:  # a SWA layer (its rows are the latent alone) through vLLM's CPU kernel
+            kernel.write(md, rows)
+            o = kernel.attend(md, q, self.attn_sink)
+        else:
+            self.cache.write(md, rows)
+            ch = self.channels
+            index_q = index_w = None
+            if self.compressor is not None:
+                self.compressor.complete(md, self.cache, self.rope, kv_gate_channel=ch["kv_gate"],
+                                         entry_channel=ch["entry"])
+            if self.indexer is not None:
+                self.indexer.compressor.complete(md, self.cache, self.rope, kv_gate_channel=ch["index_kv_gate"],
+                                                 entry_channel=ch["ikey"])
+                index_q, index_w = self.indexer.queries(qr, x_real, rot, self.rope)
+            o = self.attend(md, q, index_q, index_w)
         o = self.rope.apply_(o, self.rope.step_rotation(md.memo, "tokens", md.positions, inverse=True))
         if n < x.shape[0]:  # padding tokens: output 0
             o = torch.cat([o, o.new_zeros(x.shape[0] - n, *o.shape[1:])])

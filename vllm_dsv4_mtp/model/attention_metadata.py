@@ -92,6 +92,8 @@ class PortableAttentionMetadata:
     _seg_req: np.ndarray = field(repr=False)  # [n_seg]
     _seg_last: np.ndarray = field(repr=False)  # [n_seg] last query position of the segment
     _qpos: np.ndarray = field(repr=False)  # [n_seg, S] query positions, -1 = padding
+    _qsl: np.ndarray = field(repr=False)  # [num_reqs + 1] query_start_loc
+    _seq_lens: np.ndarray = field(repr=False)  # [num_reqs]
     memo: dict = field(default_factory=dict, repr=False)  # per-step tables and tensors shared by layers
     positions_checked: bool = False
 
@@ -141,6 +143,7 @@ class PortableAttentionMetadata:
             query_index=query_index, output_index=output_index,
             _bt=block_table, _pos=pos, _tok_req=tok_req, _tok_slot=tok_slot, _seg_req=seg_req,
             _seg_last=qpos.max(axis=1) if qpos.size else np.zeros(0, np.int64), _qpos=qpos,
+            _qsl=qsl, _seq_lens=seq_lens.astype(np.int64),
         )
 
     def slot(self, req: np.ndarray, pos: np.ndarray) -> np.ndarray:

@@ -25,6 +25,10 @@ is overwritten (raw channels and entry alike) when vLLM recomputes that position
 full blocks whose rows, entries included, depend only on the hashed tokens before them. Only the open block
 is pooled again, once, by the token that completes it; nothing lives outside the paged cache.
 
+A layer with compress ratio 0 whose cache vLLM's CPU attention kernel takes keeps its latent in that kernel's
+layout instead, in the first ``2 * block_size * head_dim`` elements of each of its blocks
+(``model/window_kernel.py``); its rows here are then unused.
+
 Each step a layer (``model/attention.py``) writes its new rows through ``slot_mapping``, completes the blocks
 its tokens close (gathering their rows), then attends over padded segments of queries: the window keys
 (one contiguous key range per segment), the C128 entries and the C4 indexer's keys, gathered through the

@@ -1,0 +1,97 @@
+"""Sliding-window attention with a sink through vLLM's CPU paged-attention kernel, for the SWA-only layers.
+
+A DeepSeek-V4 layer with compress ratio 0 (the embedded model's layer 0, every MTP layer) attends each query at
+position ``p`` to the latents of positions ``p - W + 1 .. p`` with one sink logit per head: what vLLM's CPU
+attention kernel (``cpu_attention_with_kv_cache``) computes for a sliding-window model with attention sinks,
+causal, one KV head shared by the query heads, from the paged cache and the step's block table, for every
+request of the step in one call (no per-segment gather, mask or flash-kernel call). Measured at 64 decode
+sequences, window 128, head 128 (docs/benchmarks.md): 139 us against ~600 us for the gather and flash-kernel
+path of ``model/sink_attention.py``.
+
+The kernel keeps keys and values in its own block layout (``cpu_attn_reshape_and_cache``), so the latent, key
+and value at once, is stored twice: in the first ``2 * block_size * head_dim`` elements of each of the layer's
+own cache blocks, which the portable rows of a SWA layer (``head_dim`` of its ``cache_width`` channels) leave
+unused whenever ``cache_width >= 2 * head_dim`` (every model with a compressed layer). A layer whose cache is
+too narrow, a block size, head size or dtype the kernel does not take, or a non-CPU tensor keeps the
+portable path (:func:`usable`).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
+
+# vLLM's generic x86 instruction set for its CPU attention (AMX machines would also take it; vLLM picks "amx" for
+# its own bf16 layers there); block sizes must be a multiple of 32 for it
+ISA = "vec"
+BLOCK_ALIGNMENT = 32
+HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def usable(kv_cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether a SWA layer with cache ``kv_cache [num_blocks, 1, block_size, cache_width]`` can use the kernel."""
+    if kv_cache.ndim != 4 or kv_cache.device.type != "cpu" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    block_size, width = kv_cache.shape[2], kv_cache.shape[3]
+    if block_size % BLOCK_ALIGNMENT or head_dim not in HEAD_SIZES or kv_cache.dtype not in DTYPES:
+        return False
+    if width < 2 * head_dim:
+        return False
+    try:
+        import vllm._custom_ops as ops
+    except ImportError:
+        return False
+    return hasattr(ops, "cpu_attention_with_kv_cache") and hasattr(ops, "cpu_attn_reshape_and_cache")
+
+
+class WindowKernel:
+    """One SWA layer's latent in vLLM's CPU attention layout inside its own cache blocks, and its attention."""
+
+    def __init__(self, kv_cache: torch.Tensor, head_dim: int, window: int, scale: float):
+        num_blocks, _, block_size, width = kv_cache.shape
+        region = kv_cache.view(num_blocks, block_size * width)[:, : 2 * block_size * head_dim]
+        # [num_blocks, 1 KV head, block_size, head_dim] each, blocks block_size * width apart
+        self.key_cache, self.value_cache = region.view(num_blocks, 1, 2 * block_size, head_dim).chunk(2, dim=2)
+        self.head_dim = head_dim
+        self.window = window
+        self.scale = scale
+
+    def write(self, md: PortableAttentionMetadata, kv: torch.Tensor) -> None:
+        """Store the step's latents ``kv: [n, d]`` at their slots, as key and value (padding tokens dropped)."""
+        import vllm._custom_ops as ops
+
+        kv = kv[: md.num_actual_tokens]
+        if md.write_index is not None:
+            kv = kv.index_select(0, md.write_index)
+        kv = kv.to(self.key_cache.dtype).unsqueeze(1)  # [n, 1, d]
+        ops.cpu_attn_reshape_and_cache(kv, kv, self.key_cache, self.value_cache, md.write_slots, ISA)
+
+    def attend(self, md: PortableAttentionMetadata, q: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+        """``q: [n, H_local, d]`` (roped), ``sink: [H_local]`` float32 -> ``[n, H_local, d]`` in ``q.dtype``."""
+        import vllm._custom_ops as ops
+
+        n, heads = q.shape[0], q.shape[1]
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        if n == 0:
+            return out
+        key = ("window_kernel", self.window, heads, q.dtype)
+        if key not in md.memo:  # the same for every SWA layer of the step
+            qsl = torch.from_numpy(md._qsl.astype("int32"))
+            seq_lens = torch.from_numpy(md._seq_lens.astype("int32"))
+            table = torch.from_numpy(md._bt.astype("int32"))
+            sched = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=seq_lens.shape[0], num_heads=heads, num_kv_heads=1, head_dim=self.head_dim,
+                seq_lens=seq_lens, dtype=q.dtype, query_start_loc=qsl, causal=True,
+                sliding_window_size=self.window, isa=ISA, enable_kv_split=False)
+            md.memo[key] = (qsl, seq_lens, table, sched)
+        qsl, seq_lens, table, sched = md.memo[key]
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=self.key_cache, value_cache=self.value_cache, output=out,
+            query_start_loc=qsl, seq_lens=seq_lens, scale=self.scale, causal=True, alibi_slopes=None,
+            sliding_window=self.window, block_table=table, softcap=0.0, scheduler_metadata=sched, s_aux=sink)
+        return out

@@ -4,25 +4,31 @@ A DeepSeek-V4 layer with compress ratio 0 (the embedded model's layer 0, every M
 position ``p`` to the latents of positions ``p - W + 1 .. p`` with one sink logit per head: what vLLM's CPU
 attention kernel (``cpu_attention_with_kv_cache``) computes for a sliding-window model with attention sinks,
 causal, one KV head shared by the query heads, from the paged cache and the step's block table, for every
-request of the step in one call (no per-segment gather, mask or flash-kernel call). Measured at 64 decode
-sequences, window 128, head 128 (docs/benchmarks.md): 139 us against ~600 us for the gather and flash-kernel
-path of ``model/sink_attention.py``.
+request of the step in one call (no per-segment gather, mask or flash-kernel call). At 64 decode sequences,
+window 128, head 128, it takes 139 us on warm caches against ~600 us for the gather and flash-kernel path of
+``model/sink_attention.py``. In the engine, where the window rows come from memory, a step is 2-5 % shorter
+(docs/benchmarks.md).
 
 The kernel keeps keys and values in its own block layout (``cpu_attn_reshape_and_cache``), so the latent, key
 and value at once, is stored twice: in the first ``2 * block_size * head_dim`` elements of each of the layer's
 own cache blocks, which the portable rows of a SWA layer (``head_dim`` of its ``cache_width`` channels) leave
 unused whenever ``cache_width >= 2 * head_dim`` (every model with a compressed layer). A layer whose cache is
-too narrow, a block size, head size or dtype the kernel does not take, or a non-CPU tensor keeps the
-portable path (:func:`usable`).
+too narrow, a block size, head size or dtype the kernel does not take, a non-CPU tensor, or a vLLM build whose
+kernel fails a probe step against the reference (:func:`kernel_works`, logged) keeps the portable path
+(:func:`usable`).
 """
 
 from __future__ import annotations
 
+import functools
 import platform
 
 import torch
+from vllm.logger import init_logger
 
 from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
+
+logger = init_logger("vllm.dsv4_mtp.window_kernel")
 
 # vLLM's generic x86 instruction set for its CPU attention (AMX machines would also take it; vLLM picks "amx" for
 # its own bf16 layers there); block sizes must be a multiple of 32 for it
@@ -41,11 +47,60 @@ def usable(kv_cache: torch.Tensor, head_dim: int) -> bool:
         return False
     if width < 2 * head_dim:
         return False
+    return kernel_works(kv_cache.dtype, head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_works(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether this vLLM build's CPU kernel gives the sink attention of a small two-sequence step (a prefill and
+    a chunk of three, over two 32-row blocks, window 16) within this dtype's rounding of the float32 reference:
+    checked once per process, so a build without it (another instruction set, another signature) keeps the
+    portable path instead of failing a step."""
+    from vllm_dsv4_mtp.model.sink_attention import sink_attention_reference
+
     try:
         import vllm._custom_ops as ops
-    except ImportError:
+
+        g = torch.Generator().manual_seed(0)
+        block, window, heads, lens, new = BLOCK_ALIGNMENT, 16, 2, (40, 23), (40, 3)
+        cache = torch.zeros(5, 1, block, 2 * head_dim, dtype=dtype)
+        kernel = WindowKernel(cache, head_dim, window, head_dim**-0.5)
+        table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32)
+        latents = [torch.randn(n, head_dim, generator=g).to(dtype) for n in lens]
+        slots = torch.cat([table[r, torch.arange(n) // block].long() * block + torch.arange(n) % block
+                           for r, n in enumerate(lens)])
+        kv = torch.cat(latents).unsqueeze(1)
+        ops.cpu_attn_reshape_and_cache(kv, kv, kernel.key_cache, kernel.value_cache, slots, ISA)
+        q = torch.randn(sum(new), heads, head_dim, generator=g).to(dtype)
+        sink = torch.randn(heads, generator=g)
+        qsl = torch.tensor([0, new[0], sum(new)], dtype=torch.int32)
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=kernel.key_cache, value_cache=kernel.value_cache, output=out, query_start_loc=qsl,
+            seq_lens=torch.tensor(lens, dtype=torch.int32), scale=kernel.scale, causal=True, alibi_slopes=None,
+            sliding_window=window, block_table=table, softcap=0.0, s_aux=sink,
+            scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=2, num_heads=heads, num_kv_heads=1, head_dim=head_dim,
+                seq_lens=torch.tensor(lens, dtype=torch.int32), dtype=dtype, query_start_loc=qsl, causal=True,
+                sliding_window_size=window, isa=ISA, enable_kv_split=False))
+    except Exception as e:  # noqa: BLE001 (a missing op, an unsupported instruction set: the portable path)
+        logger.info("vllm-dsv4-mtp: vLLM's CPU attention kernel is not usable here (%s); SWA layers keep the "
+                    "portable attention", e)
         return False
-    return hasattr(ops, "cpu_attention_with_kv_cache") and hasattr(ops, "cpu_attn_reshape_and_cache")
+    worst = 0.0
+    for r, (n, m) in enumerate(zip(lens, new)):
+        for i in range(m):
+            p = n - m + i
+            keys = latents[r][max(0, p - window + 1) : p + 1].unsqueeze(0)
+            ref = sink_attention_reference(q[qsl[r] + i].view(1, 1, heads, head_dim),
+                                           [(keys, torch.zeros(1, 1, keys.shape[1], dtype=torch.bool))],
+                                           sink, kernel.scale)
+            worst = max(worst, (out[qsl[r] + i].float() - ref.view(heads, head_dim).float()).abs().max().item())
+    ok = worst <= (1e-4 if dtype == torch.float32 else 3e-2)
+    if not ok:
+        logger.warning("vllm-dsv4-mtp: vLLM's CPU attention kernel differs from the reference sink attention by "
+                       "%.3g on a probe step; SWA layers keep the portable attention", worst)
+    return ok
 
 
 class WindowKernel:

@@ -253,58 +253,6 @@ def test_rows_of_rejected_drafts_never_change_a_later_step(tmp_path):
 
 
 @pytest.mark.usefixtures("vllm_dist")
-def test_swa_layer_through_vllms_cpu_kernel_matches_hf_and_the_portable_path(tmp_path):
-    """A SWA layer (compress ratio 0) over a cache whose blocks the kernel takes (32 rows) runs through vLLM's CPU
-    attention kernel (``model/window_kernel.py``) and gives HF's output over 300 tokens (the window wraps), and
-    the portable path's (16-row blocks) for the same steps: in pieces as chunked prefill, decodes and verify
-    windows come, several sequences at once, and after rejected drafts, whose rows stay in the cache.
-
-    The kernel's caches are filled with 1e4, not NaN: like vLLM's own CPU attention it multiplies the rows of a
-    block outside the window by zero probabilities rather than skipping them (vLLM zero-fills its caches); a
-    row it wrongly attended to would still dominate the output."""
-    from transformers.masking_utils import create_sliding_window_causal_mask
-
-    from paged_layer import PagedSequences, run_in_chunks
-
-    cfg, hcfg, ref, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 0, seed=31)
-    n = 300
-    x = torch.randn(1, n, cfg["hidden_size"], generator=torch.Generator().manual_seed(7))
-    pos = torch.arange(n)[None]
-    rot = M.DeepseekV4RotaryEmbedding(hcfg)
-    pe = {k: rot(x, pos, layer_type=k) for k in ("main", "compress")}
-    mask = create_sliding_window_causal_mask(config=hcfg, inputs_embeds=x, attention_mask=None,
-                                             past_key_values=None, position_ids=pos)
-    chunks = [(0, 9), (9, 12), (12, 13), (13, 140), (140, 141), (141, 144), (144, 300)]
-    with torch.no_grad():
-        y_ref, _ = ref(x, pe, pos, mask)
-        portable = run_in_chunks(mine, x[0], chunks)
-        assert mine.window_kernel() is None  # 16-row blocks: the portable path
-        kernel = run_in_chunks(mine, x[0], chunks, block_size=32, fill=1e4)
-        assert mine.window_kernel() is not None  # 32-row blocks: vLLM's kernel
-    assert y_ref.abs().max() > 1.0
-    torch.testing.assert_close(kernel, y_ref[0], atol=ATOL, rtol=0)
-    torch.testing.assert_close(kernel, portable, atol=1e-5, rtol=0)
-
-    # several sequences in one step, and a verify window whose two drafts are rejected
-    g = torch.Generator().manual_seed(8)
-    xs = {s: torch.randn(m, cfg["hidden_size"], generator=g) for s, m in (("a", 200), ("b", 150))}
-    drafts = torch.randn(2, cfg["hidden_size"], generator=g) * 3
-    outs = {}
-    with torch.no_grad():
-        for bs in (16, 32):
-            seqs = PagedSequences(mine, block_size=bs, seed=4, fill=1e4 if bs == 32 else float("nan"))
-            first = seqs.step([("a", xs["a"][:130]), ("b", xs["b"][:100])])
-            seqs.step([("a", torch.cat([xs["a"][130:131], drafts])), ("b", xs["b"][100:101])])
-            seqs.rewind("a", 2)
-            later = seqs.step([("a", xs["a"][131:134]), ("b", xs["b"][101:150])])
-            outs[bs] = torch.cat(first + later)
-            fresh = PagedSequences(mine, block_size=bs, seed=5, fill=1e4 if bs == 32 else float("nan"))
-            fresh.step([("a", xs["a"][:131])])
-            assert torch.allclose(fresh.step([("a", xs["a"][131:134])])[0], later[0], atol=1e-6, rtol=0)
-    torch.testing.assert_close(outs[32], outs[16], atol=1e-5, rtol=0)
-
-
-@pytest.mark.usefixtures("vllm_dist")
 def test_indexer_really_selects(tmp_path):
     """With index_topk=4 the C4 attention depends on which entries the indexer keeps (not all of them)."""
     cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=7)

@@ -178,7 +178,6 @@ def test_a_batchs_phases_split_at_its_last_first_token(monkeypatch):
                        "decode_speedup": 1.75}
 
 
-
 def test_step_parts_puts_the_k_draft_step_in_mtp_off_steps_and_bounds_the_speedup():
     """The MTP table of ``step_parts``: each part of the K-draft step over the same model's MTP-off step at the same
     batch, and the speedups those costs leave room for with a free draft and every draft accepted; a model or

@@ -150,6 +150,20 @@ def _ours_full(mine, x, pos, chunks=None):
     return run_in_chunks(mine, x, chunks)
 
 
+def _hf_full(ref, hcfg, x: torch.Tensor) -> torch.Tensor:
+    """HF's attention layer ``ref`` over one whole sequence ``x [1, L, D]`` (its rope, sliding-window causal mask)
+    -> ``[1, L, D]``."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    pos = torch.arange(x.shape[1])[None]
+    rot = M.DeepseekV4RotaryEmbedding(hcfg)
+    pe = {k: rot(x, pos, layer_type=k) for k in ("main", "compress")}
+    mask = create_sliding_window_causal_mask(config=hcfg, inputs_embeds=x, attention_mask=None,
+                                             past_key_values=None, position_ids=pos)
+    with torch.no_grad():
+        return ref(x, pe, pos, mask)[0]
+
+
 @pytest.mark.parametrize("ratios,lid", [
     ([0, 4, 128, 4, 0], 0), ([0, 4, 128, 4, 0], 1), ([0, 4, 128, 4, 0], 2),
     ([0, 4, 8, 4, 0], 1), ([0, 4, 8, 4, 0], 2),
@@ -158,19 +172,12 @@ def _ours_full(mine, x, pos, chunks=None):
 def test_attention_matches_hf(tmp_path, ratios, lid):
     """Full-sequence attention of every layer type over 300 tokens (window 128 wraps, C128 emits 2 entries,
     C4 has 75 entries of which the indexer keeps 4 per query)."""
-    from transformers.masking_utils import create_sliding_window_causal_mask
-
     cfg, hcfg, ref, mine = _attention_pair(tmp_path, ratios, lid, seed=lid)
     n = 300
     x = torch.randn(1, n, cfg["hidden_size"])
-    pos = torch.arange(n)[None]
-    rot = M.DeepseekV4RotaryEmbedding(hcfg)
-    pe = {k: rot(x, pos, layer_type=k) for k in ("main", "compress")}
-    mask = create_sliding_window_causal_mask(config=hcfg, inputs_embeds=x, attention_mask=None,
-                                             past_key_values=None, position_ids=pos)
+    y_ref = _hf_full(ref, hcfg, x)
     with torch.no_grad():
-        y_ref, _ = ref(x, pe, pos, mask)
-        y = _ours_full(mine, x[0], pos[0])
+        y = _ours_full(mine, x[0], torch.arange(n))
     assert y_ref.abs().max() > 1.0  # the comparison is not between two near-zero tensors
     torch.testing.assert_close(y, y_ref[0], atol=ATOL, rtol=0)
 

@@ -52,23 +52,14 @@ def test_swa_layer_through_vllms_cpu_kernel_matches_hf_and_the_portable_path(tmp
     The kernel's caches are filled with 1e4, not NaN: like vLLM's own CPU attention it multiplies the rows of a
     block outside the window by zero probabilities rather than skipping them (vLLM zero-fills its caches); a
     row it wrongly attended to would still dominate the output."""
-    from transformers.masking_utils import create_sliding_window_causal_mask
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M
-
     from paged_layer import PagedSequences, run_in_chunks
-    from test_model_layers import ATOL, _attention_pair
+    from test_model_layers import ATOL, _attention_pair, _hf_full
 
     cfg, hcfg, ref, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 0, seed=31)
-    n = 300
-    x = torch.randn(1, n, cfg["hidden_size"], generator=torch.Generator().manual_seed(7))
-    pos = torch.arange(n)[None]
-    rot = M.DeepseekV4RotaryEmbedding(hcfg)
-    pe = {k: rot(x, pos, layer_type=k) for k in ("main", "compress")}
-    mask = create_sliding_window_causal_mask(config=hcfg, inputs_embeds=x, attention_mask=None,
-                                             past_key_values=None, position_ids=pos)
+    x = torch.randn(1, 300, cfg["hidden_size"], generator=torch.Generator().manual_seed(7))
+    y_ref = _hf_full(ref, hcfg, x)
     chunks = [(0, 9), (9, 12), (12, 13), (13, 140), (140, 141), (141, 144), (144, 300)]
     with torch.no_grad():
-        y_ref, _ = ref(x, pe, pos, mask)
         portable = run_in_chunks(mine, x[0], chunks)
         assert mine.window_kernel() is None  # 16-row blocks: the portable path
         kernel = run_in_chunks(mine, x[0], chunks, block_size=32, fill=1e4)

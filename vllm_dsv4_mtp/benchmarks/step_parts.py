@@ -19,10 +19,10 @@ per step. Medians over the steps (so the parts need not add up exactly).
 With ``--mtp-k K`` a second table puts each plugin model's K-draft step in MTP-off steps of the same model and
 batch (:func:`mtp_costs`): the verify's extra forward, the draft's forwards, and vLLM's own speculative work
 (the rejection sampler, the proposer's input preparation, the draft's attention metadata (the plugin's
-builder) and sampling, the extra round trip to the engine core: its ``vLLM`` part minus the MTP-off step's), and the end-to-end speedup
-those costs leave room for: at most ``(K + 1) / (1 + verify + vLLM)`` with a draft that cost nothing and
-every draft accepted, and ``(K + 1) / (1 + vLLM)`` if the verify cost nothing too. A speedup bound above
-those cannot be met by a faster draft.
+builder) and sampling, the extra round trip to the engine core: its ``vLLM`` part minus the MTP-off step's),
+and the end-to-end speedup those costs leave room for: at most ``(K + 1) / (1 + verify + vLLM)`` with a draft
+that cost nothing and every draft accepted, and ``(K + 1) / (1 + vLLM)`` if the verify cost nothing too. A
+speedup bound above those cannot be met by a faster draft.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import platform
 
+import numpy as np
 import torch
 from vllm.logger import init_logger
 
@@ -52,50 +53,44 @@ def usable(kv_cache: torch.Tensor, head_dim: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def kernel_works(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether this vLLM build's CPU kernel gives the sink attention of a small two-sequence step (a prefill and
-    a chunk of three, over two 32-row blocks, window 16) within this dtype's rounding of the float32 reference:
-    checked once per process, so a build without it (another instruction set, another signature) keeps the
-    portable path instead of failing a step."""
+    """Whether this vLLM build's CPU kernel, driven as a step drives it (:meth:`WindowKernel.write` and
+    :meth:`WindowKernel.attend`), gives the sink attention of two small steps (two prefills, then a chunk of
+    three, over 32-row blocks, window 16) within this dtype's rounding of the float32 reference: checked once per
+    process, so a build without it (another instruction set, another signature) keeps the portable path instead
+    of failing a step."""
     from vllm_dsv4_mtp.model.sink_attention import sink_attention_reference
 
+    g = torch.Generator().manual_seed(0)
+    block, window, heads = BLOCK_ALIGNMENT, 16, 2
+    table = np.array([[3, 0], [1, 4]])
+    latents = [torch.randn(n, head_dim, generator=g).to(dtype) for n in (40, 23)]
+    sink = torch.randn(heads, generator=g)
+    kernel = WindowKernel(torch.zeros(5, 1, block, 2 * head_dim, dtype=dtype), head_dim, window, head_dim**-0.5)
+    worst = 0.0
     try:
-        import vllm._custom_ops as ops
-
-        g = torch.Generator().manual_seed(0)
-        block, window, heads, lens, new = BLOCK_ALIGNMENT, 16, 2, (40, 23), (40, 3)
-        cache = torch.zeros(5, 1, block, 2 * head_dim, dtype=dtype)
-        kernel = WindowKernel(cache, head_dim, window, head_dim**-0.5)
-        table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32)
-        latents = [torch.randn(n, head_dim, generator=g).to(dtype) for n in lens]
-        slots = torch.cat([table[r, torch.arange(n) // block].long() * block + torch.arange(n) % block
-                           for r, n in enumerate(lens)])
-        kv = torch.cat(latents).unsqueeze(1)
-        ops.cpu_attn_reshape_and_cache(kv, kv, kernel.key_cache, kernel.value_cache, slots, ISA)
-        q = torch.randn(sum(new), heads, head_dim, generator=g).to(dtype)
-        sink = torch.randn(heads, generator=g)
-        qsl = torch.tensor([0, new[0], sum(new)], dtype=torch.int32)
-        out = torch.empty_like(q)
-        ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=kernel.key_cache, value_cache=kernel.value_cache, output=out, query_start_loc=qsl,
-            seq_lens=torch.tensor(lens, dtype=torch.int32), scale=kernel.scale, causal=True, alibi_slopes=None,
-            sliding_window=window, block_table=table, softcap=0.0, s_aux=sink,
-            scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=2, num_heads=heads, num_kv_heads=1, head_dim=head_dim,
-                seq_lens=torch.tensor(lens, dtype=torch.int32), dtype=dtype, query_start_loc=qsl, causal=True,
-                sliding_window_size=window, isa=ISA, enable_kv_split=False))
+        # (request, first position, end position) of each step's tokens
+        for step in ([(0, 0, 40), (1, 0, 20)], [(1, 20, 23)]):
+            reqs = [r for r, _, _ in step]
+            pos = np.concatenate([np.arange(a, b) for _, a, b in step])
+            req = np.concatenate([np.full(b - a, i) for i, (_, a, b) in enumerate(step)])
+            md = PortableAttentionMetadata.create(
+                query_start_loc=np.cumsum([0] + [b - a for _, a, b in step]),
+                seq_lens=np.array([b for _, _, b in step]), block_table=table[reqs],
+                slot_mapping=torch.from_numpy(table[reqs][req, pos // block] * block + pos % block),
+                num_actual_tokens=len(pos), block_size=block, device=torch.device("cpu"))
+            kernel.write(md, torch.cat([latents[r][a:b] for r, a, b in step]))
+            q = torch.randn(len(pos), heads, head_dim, generator=g).to(dtype)
+            out = kernel.attend(md, q, sink)
+            for t, (i, p) in enumerate(zip(req, pos)):
+                keys = latents[reqs[i]][max(0, p - window + 1) : p + 1].unsqueeze(0)
+                ref = sink_attention_reference(q[t].view(1, 1, heads, head_dim),
+                                               [(keys, torch.zeros(1, 1, keys.shape[1], dtype=torch.bool))],
+                                               sink, kernel.scale)
+                worst = max(worst, (out[t].float() - ref.view(heads, head_dim).float()).abs().max().item())
     except Exception as e:  # noqa: BLE001 (a missing op, an unsupported instruction set: the portable path)
         logger.info("vllm-dsv4-mtp: vLLM's CPU attention kernel is not usable here (%s); SWA layers keep the "
                     "portable attention", e)
         return False
-    worst = 0.0
-    for r, (n, m) in enumerate(zip(lens, new)):
-        for i in range(m):
-            p = n - m + i
-            keys = latents[r][max(0, p - window + 1) : p + 1].unsqueeze(0)
-            ref = sink_attention_reference(q[qsl[r] + i].view(1, 1, heads, head_dim),
-                                           [(keys, torch.zeros(1, 1, keys.shape[1], dtype=torch.bool))],
-                                           sink, kernel.scale)
-            worst = max(worst, (out[qsl[r] + i].float() - ref.view(heads, head_dim).float()).abs().max().item())
     ok = worst <= (1e-4 if dtype == torch.float32 else 3e-2)
     if not ok:
         logger.warning("vllm-dsv4-mtp: vLLM's CPU attention kernel differs from the reference sink attention by "

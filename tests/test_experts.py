@@ -133,9 +133,10 @@ def test_parallel_ranks_sum_to_the_whole(expert_parallel):
                                        dtype=torch.float32)
         _load(part, weights)
         parts.append(part)
-    x = torch.randn(9, D)
-    ids = torch.randint(0, E, (9, 2))
-    ws = torch.rand(9, 2)
+    g = torch.Generator().manual_seed(5)  # inputs independent of the tests run before
+    x = torch.randn(9, D, generator=g)
+    ids = torch.randint(0, E, (9, 2), generator=g)
+    ws = torch.rand(9, 2, generator=g)
     torch.testing.assert_close(parts[0](x, ws, ids) + parts[1](x, ws, ids), full(x, ws, ids), atol=1e-4, rtol=1e-5)
     if expert_parallel:
         p = parts[1].w13_weight
@@ -196,14 +197,38 @@ def test_all_expert_pass_computes_the_dispatch(dtype, w4a4, split, with_shared):
             assert (bad - got).abs().max().item() > 1e3 * tol * scale or split == "ep"
 
 
+@pytest.mark.parametrize("split", ["none", "ep"])
+def test_w4a4_pass_leaves_experts_no_token_routed_to_out_of_the_sum(split):
+    """Under W4A4 the all-expert pass runs the SwiGLU and rounding on the routed rows only: an expert no token
+    picked cannot reach the sum even where its output overflows (infinite weights here, which a checkpoint load
+    refuses; an overflowing GEMM gives the same), where a 0 routing weight would make its row 0 * inf = NaN; an
+    expert-parallel rank drops the other rank's picks the same way."""
+    E, D, I = 8, 64, 64
+    tp = dict(tp_rank=0, tp_size=2, expert_parallel=True) if split == "ep" else {}
+    ex = experts.PortableExperts(E, D, I, 10.0, activation_quant=True, dtype=torch.bfloat16, **tp)
+    weights = _expert_weights(E, D, I, seed=9)
+    weights[3]["w1"] = torch.full((I, D), float("inf"))  # expert 3: never picked below
+    _load(ex, weights)
+    ex.pack()
+    ex.pack_all(None)
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(5, D, generator=g).bfloat16()
+    ids = torch.tensor([[0, 1], [2, 7], [1, 6], [5, 0], [4, 2]])  # EP rank 0 holds 0-3: 7, 6, 5, 4 are rank 1's
+    ws = torch.rand(5, 2, generator=g)
+    assert ex.takes_all(5)
+    got, want = ex.forward_all(x, ws, ids), ex(x, ws, ids)
+    assert torch.isfinite(got).all() and torch.isfinite(want).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.float().abs().max().item(), rtol=0)
+
+
 def test_all_expert_pass_is_taken_for_small_moes_only(monkeypatch):
     """The embedded model's MoE (8 experts + the shared one, 128 x 128) takes the all-expert pass for a decode
-    step of 64 requests (BF16) and not for a verify window of 3 x 64 tokens; W4A4 for fewer tokens; DeepSeek-V4's
+    step of 64 requests (BF16 and W4A4) and not for a verify window of 3 x 64 tokens (W4A4: 96); DeepSeek-V4's
     own experts (256 of 2048 x 7168) never; nothing before pack_all; pack_all refuses mis-shaped shared weights."""
     assert experts.all_experts_pay(64, 9, 128, 128, w4a4=False)
     assert not experts.all_experts_pay(192, 9, 128, 128, w4a4=False)
-    assert experts.all_experts_pay(32, 8, 128, 128, w4a4=True)
-    assert not experts.all_experts_pay(64, 8, 128, 128, w4a4=True)
+    assert experts.all_experts_pay(64, 8, 128, 128, w4a4=True)
+    assert not experts.all_experts_pay(96, 8, 128, 128, w4a4=True)
     assert not experts.all_experts_pay(1, 256, 2048, 7168, w4a4=False)
     tiny = experts.PortableExperts(8, 128, 128, 10.0, dtype=torch.bfloat16)
     assert not tiny.takes_all(1)  # not packed

@@ -19,7 +19,8 @@ loading, :meth:`pack` gives each expert's matrices vLLM's CPU GEMM dispatch (``m
 float32 model's ``w2`` a float64 linear instead, ``model/split_sums.py``).
 Where every expert's GEMMs over every token cost little (small experts, few tokens: :meth:`takes_all`),
 :meth:`forward_all` instead runs all experts, the shared one among them, as two GEMMs with the routing weights
-applied between them (0 for an expert a token did not pick): no sort, index or per-expert call.
+applied between them (0 for an expert a token did not pick): no sort or per-expert call. Under W4A4 the
+SwiGLU and its rounding between the GEMMs run on the picked rows only, gathered and put back by index.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from vllm_dsv4_mtp.model.cpu_linear import Linear, dispatched_linear, loaded_wei
 from vllm_dsv4_mtp.model.split_sums import partial_dtype, wide_linear
 
 # The all-expert pass (every expert's GEMMs over every token) while those cost at most this many multiply-adds;
-# under W4A4 a quarter of that, its MXFP4 rounding (~20 elementwise ops) running over every expert's rows too.
-# Measured on the embedded model's MoE (8 + 1 experts of 128 x 128, one thread, router included): BF16 faster
-# than the dispatch up to ~190 tokens (2.7x at 16), W4A4 up to ~48; the budgets stop short of both (~150, ~40).
+# under W4A4 half of that: its SwiGLU and MXFP4 rounding run on the routed rows only, but its GEMMs still cover
+# every expert. Measured on the embedded model's MoE (8 + 1 experts of 128 x 128, one thread, router included):
+# BF16 faster than the dispatch up to ~190 tokens (2.7x at 16); W4A4 (8 experts, no router) up to ~110 (1.3x at
+# 64: 217 against 284 us); the budgets stop short of both (~150, ~85).
 ALL_EXPERTS_MACS = 1 << 26
-ALL_EXPERTS_MACS_W4A4 = 1 << 24
+ALL_EXPERTS_MACS_W4A4 = 1 << 25
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -184,9 +186,11 @@ class PortableExperts(nn.Module):
     def forward_all(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     x_rounded: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`forward` as two GEMMs over every local expert (and the shared one, when packed with it) for
-        every token: ``w13`` of all experts, SwiGLU (and the W4A4 rounding) over all, each expert's rows
-        scaled by the token's routing weight (0 where not routed, 1 for the shared expert) in float32, then
-        one ``w2`` GEMM whose sum over experts is the routed sum (plus the shared expert's output). The same
+        every token: ``w13`` of all experts, SwiGLU over all, each expert's rows scaled by the token's routing
+        weight (0 where not routed, 1 for the shared expert) in float32, then one ``w2`` GEMM whose sum over
+        experts is the routed sum (plus the shared expert's output); under W4A4 the SwiGLU and its rounding
+        run on the routed rows only (:meth:`_forward_routed_rows`: in float32 over every row, BF16's SwiGLU is
+        cheaper than the index ops that would pick the rows, measured 40 against 51 us at 1 token). The same
         function as the per-expert dispatch with no index, sort or per-expert call; it rounds each scaled row
         to ``x.dtype`` where the dispatch rounds each expert's output (the same bound; in float32 neither
         rounds there: the dispatch keeps each output in float64, the pass's scaled rows are float32 already).
@@ -196,6 +200,8 @@ class PortableExperts(nn.Module):
         local = ids - self.first_expert if self.first_expert else ids
         if self._all_shared:
             n += 1
+        if self.activation_quant:
+            return self._forward_routed_rows(x, weights, local, n, x_rounded)
         spare = self.local_experts < self.num_experts  # expert parallel: other ranks' experts to a spare column
         if spare:
             local = torch.where((local >= 0) & (local < self.local_experts), local, n)
@@ -204,20 +210,46 @@ class PortableExperts(nn.Module):
             w[:, n - 1] = 1.0
         if spare:
             w = w[:, :n]
-        h = self._all[0](x_rounded if x_rounded is not None else self._act(x)).view(t, n, 2 * i)
-        if self.activation_quant:
-            # W4A4 rounds the SwiGLU as the dispatch computes it (in x.dtype): an MXFP4 step is coarse enough
-            # that another rounding before it would move some elements a whole step
-            a = self._swiglu(h).float()
-        else:
-            # float32 (n times the dispatch's rows: torch's CPU bfloat16 elementwise ops are the slow ones)
-            h = h.float()
-            gate, up = h[..., :i], h[..., i:]
-            if self.swiglu_limit > 0:
-                gate.clamp_(max=self.swiglu_limit)
-                up.clamp_(min=-self.swiglu_limit, max=self.swiglu_limit)
-            a = F.silu(gate, inplace=True).mul_(up)  # [T, n, I], in h
+        # float32 (n times the dispatch's rows: torch's CPU bfloat16 elementwise ops are the slow ones)
+        h = self._all[0](x).view(t, n, 2 * i).float()
+        gate, up = h[..., :i], h[..., i:]
+        if self.swiglu_limit > 0:
+            gate.clamp_(max=self.swiglu_limit)
+            up.clamp_(min=-self.swiglu_limit, max=self.swiglu_limit)
+        a = F.silu(gate, inplace=True).mul_(up)  # [T, n, I], in h
         return self._all[1](a.mul_(w.unsqueeze(-1)).to(x.dtype).reshape(t, n * i))  # partial_dtype: _down_linear
+
+    def _forward_routed_rows(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, n: int,
+                             x_rounded: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`forward_all` under W4A4: the first GEMM over every expert, then the SwiGLU and its MXFP4
+        rounding (~20 elementwise ops, most of the pass's cost) only on the ``k`` rows each token routed to
+        (and the shared expert's), each scaled by its routing weight in float32; the other experts' rows of the
+        second GEMM's input stay 0. The rounding works per row, so every routed row is what the whole pass
+        computes, and a non-routed expert's row cannot reach the sum (not even as ``0 * inf``).
+        ``local: [T, k]`` this rank's expert index of each pick (out of range: another rank's)."""
+        t = local.shape[0]
+        i = self.local_intermediate
+        scale = weights if weights.dtype == torch.float32 else weights.float()
+        mine = None
+        if self.local_experts < self.num_experts:  # expert parallel: other ranks' picks read expert 0, then 0
+            mine = (local >= 0) & (local < self.local_experts)
+            local = local.where(mine, 0)
+        if self._all_shared:  # the last expert of the pass, weight 1 for every token
+            local = torch.cat([local, local.new_full((t, 1), n - 1)], dim=1)
+            scale = torch.cat([scale, scale.new_ones(t, 1)], dim=1)
+            mine = None if mine is None else torch.cat([mine, mine.new_ones(t, 1)], dim=1)
+        rows = local.reshape(-1)  # [T k] rows of h [T n, 2 I]
+        if t > 1:
+            rows = (local + torch.arange(0, t * n, n, device=x.device).unsqueeze(1)).reshape(-1)
+        h = self._all[0](x_rounded if x_rounded is not None else self._act(x)).view(t * n, 2 * i)
+        # W4A4 rounds the SwiGLU as the dispatch computes it (in x.dtype): an MXFP4 step is coarse enough that
+        # another rounding before it would move some elements a whole step
+        a = self._swiglu(h.index_select(0, rows)).float().mul_(scale.reshape(-1, 1))
+        if mine is not None:
+            a.masked_fill_(~mine.reshape(-1, 1), 0.0)
+        # index_add_: a token that picked one expert twice (a hash table may) gets both rows, as in the dispatch
+        down_in = torch.zeros(t * n, i, dtype=x.dtype, device=x.device).index_add_(0, rows, a.to(x.dtype))
+        return self._all[1](down_in.view(t, n * i))  # partial_dtype: _down_linear
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 x_rounded: torch.Tensor | None = None, dense: tuple[Linear, Linear] | None = None) -> torch.Tensor:

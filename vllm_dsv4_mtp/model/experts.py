@@ -188,10 +188,10 @@ class PortableExperts(nn.Module):
         """:meth:`forward` as two GEMMs over every local expert (and the shared one, when packed with it) for
         every token: ``w13`` of all experts, SwiGLU over all, each expert's rows scaled by the token's routing
         weight (0 where not routed, 1 for the shared expert) in float32, then one ``w2`` GEMM whose sum over
-        experts is the routed sum (plus the shared expert's output); under W4A4 the SwiGLU and its rounding
-        run on the routed rows only (:meth:`_forward_routed_rows`: in float32 over every row, BF16's SwiGLU is
-        cheaper than the index ops that would pick the rows, measured 40 against 51 us at 1 token). The same
-        function as the per-expert dispatch with no index, sort or per-expert call; it rounds each scaled row
+        experts is the routed sum (plus the shared expert's output). Under W4A4 the SwiGLU and its rounding run
+        on the routed rows only (:meth:`_forward_routed_rows`); otherwise the float32 SwiGLU over every row costs
+        less at small batches than the index ops that would pick the rows (40 against 51 us at 1 token). The same
+        function as the per-expert dispatch with no sort or per-expert call; it rounds each scaled row
         to ``x.dtype`` where the dispatch rounds each expert's output (the same bound; in float32 neither
         rounds there: the dispatch keeps each output in float64, the pass's scaled rows are float32 already).
         ``x: [T, D]`` -> this rank's part ``[T, D]`` in ``partial_dtype(x.dtype)``."""

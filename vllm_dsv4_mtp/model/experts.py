@@ -195,7 +195,7 @@ class PortableExperts(nn.Module):
         to ``x.dtype`` where the dispatch rounds each expert's output (the same bound; in float32 neither
         rounds there: the dispatch keeps each output in float64, the pass's scaled rows are float32 already).
         ``x: [T, D]`` -> this rank's part ``[T, D]`` in ``partial_dtype(x.dtype)``."""
-        t, k = ids.shape
+        t = ids.shape[0]
         n, i = self.local_experts, self.local_intermediate
         local = ids - self.first_expert if self.first_expert else ids
         if self._all_shared:
@@ -229,7 +229,7 @@ class PortableExperts(nn.Module):
         ``local: [T, k]`` this rank's expert index of each pick (out of range: another rank's)."""
         t = local.shape[0]
         i = self.local_intermediate
-        scale = weights if weights.dtype == torch.float32 else weights.float()
+        scale = weights.float()  # weights itself where already float32: never written below
         mine = None
         if self.local_experts < self.num_experts:  # expert parallel: other ranks' picks read expert 0, then 0
             mine = (local >= 0) & (local < self.local_experts)

@@ -25,6 +25,7 @@ import platform
 
 import numpy as np
 import torch
+from vllm import _custom_ops as ops
 from vllm.logger import init_logger
 
 from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
@@ -112,8 +113,6 @@ class WindowKernel:
 
     def write(self, md: PortableAttentionMetadata, kv: torch.Tensor) -> None:
         """Store the step's latents ``kv: [n, d]`` at their slots, as key and value (padding tokens dropped)."""
-        import vllm._custom_ops as ops
-
         kv = kv[: md.num_actual_tokens]
         if md.write_index is not None:
             kv = kv.index_select(0, md.write_index)
@@ -122,8 +121,6 @@ class WindowKernel:
 
     def attend(self, md: PortableAttentionMetadata, q: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
         """``q: [n, H_local, d]`` (roped), ``sink: [H_local]`` float32 -> ``[n, H_local, d]`` in ``q.dtype``."""
-        import vllm._custom_ops as ops
-
         n, heads = q.shape[0], q.shape[1]
         q = q.contiguous()
         out = torch.empty_like(q)

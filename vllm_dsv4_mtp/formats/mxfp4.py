@@ -83,7 +83,8 @@ def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
     return _byte_view(scales, "E8M0 scales", allowed)
 
 
-def _check_last_dim(x: torch.Tensor, group_size: int) -> None:
+def check_blocks(x: torch.Tensor, group_size: int) -> None:
+    """``x``'s last dim splits into blocks of ``group_size`` (a positive even number), else a ValueError."""
     if group_size <= 0 or group_size % 2:
         raise ValueError(f"MXFP4 group_size must be a positive even number, got {group_size}")
     if x.ndim == 0 or x.shape[-1] % group_size:
@@ -131,7 +132,7 @@ def quantize_codes(x: torch.Tensor, group_size: int = BLOCK_SIZE) -> tuple[torch
     """``x [..., K]`` float -> (E2M1 codes uint8 ``[..., K]``, one per element; scales uint8 ``[..., K // g]``)."""
     if x.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"MXFP4 quantize needs a floating-point tensor, got {x.dtype}")
-    _check_last_dim(x, group_size)
+    check_blocks(x, group_size)
     lead, k = x.shape[:-1], x.shape[-1]
     blocks = x.to(torch.float32).reshape(*lead, k // group_size, group_size)
     amax = blocks.abs().amax(dim=-1)  # NaN-propagating
@@ -212,7 +213,7 @@ def fake_quant(x: torch.Tensor, group_size: int = BLOCK_SIZE) -> torch.Tensor:
     """
     if x.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"MXFP4 quantize needs a floating-point tensor, got {x.dtype}")
-    _check_last_dim(x, group_size)
+    check_blocks(x, group_size)
     lead, k = x.shape[:-1], x.shape[-1]
     blocks = x.to(torch.float32).reshape(*lead, k // group_size, group_size)
     mag = blocks.abs()

@@ -17,8 +17,7 @@ import types
 import pytest
 import torch
 
-from vllm_dsv4_mtp.formats import mxfp4, mxfp4_cpu
-from vllm_dsv4_mtp.model.quantization import round_to_mxfp4
+from vllm_dsv4_mtp.formats import mxfp4
 
 torch.set_num_threads(1)
 
@@ -118,16 +117,39 @@ def _round_trip_blocks() -> list[torch.Tensor]:
     return out
 
 
+def _assert_fake_quant_is_the_round_trip(x: torch.Tensor) -> None:
+    got = mxfp4.fake_quant(x)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    got = got.float()
+    want = mxfp4.dequantize(*mxfp4.quantize(x), dtype=torch.float32).to(x.dtype).float()
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+    assert same.all(), (x[~same][:4], got[~same][:4], want[~same][:4])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fake_quant_is_quantize_then_dequantize_bit_for_bit(dtype):
     """fake_quant rounds on the grid without forming codes; it must equal the codec's round trip in every bit
-    (the sign of zero included: Quark writes +0.0), NaN where the codec gives NaN."""
-    for x in _round_trip_blocks():
-        x = x.to(dtype)
-        got = mxfp4.fake_quant(x).float()
-        want = mxfp4.dequantize(*mxfp4.quantize(x), dtype=torch.float32).to(dtype).float()
-        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
-        assert same.all(), (x[~same][:4], got[~same][:4], want[~same][:4])
+    (the sign of zero included: Quark writes +0.0), NaN where the codec gives NaN: on the corner blocks of both
+    sets here and on random float32 bit patterns."""
+    raw = torch.randint(-(2**31), 2**31 - 1, (1024, 256), generator=torch.Generator().manual_seed(5),
+                        dtype=torch.int64).to(torch.int32).view(torch.float32)
+    for x in [*_round_trip_blocks(), _edge_blocks(), raw]:
+        _assert_fake_quant_is_the_round_trip(x.to(dtype))
+
+
+def test_fake_quant_on_every_bfloat16_pattern():
+    """Every bfloat16 bit pattern (the model's activations are bfloat16): in order (blocks of neighbouring
+    patterns, NaN and inf among them), alone in a block of zeros (its own scale), and shuffled among the finite
+    ones (every kind of neighbour, both signs)."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    _assert_fake_quant_is_the_round_trip(every.reshape(-1, 32))
+    alone = torch.zeros(every.numel(), 32, dtype=torch.bfloat16)
+    alone[:, 7] = every
+    _assert_fake_quant_is_the_round_trip(alone)
+    finite = every[every.isfinite()]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        _assert_fake_quant_is_the_round_trip(finite[torch.randperm(finite.numel(), generator=g)].reshape(-1, 64))
 
 
 def test_fake_quant_is_idempotent():
@@ -177,65 +199,6 @@ def test_special_values_defined_behaviour():
     fq = mxfp4.fake_quant(x)
     assert torch.equal(fq.isnan(), d.isnan())
     assert torch.equal(torch.nan_to_num(fq), torch.nan_to_num(d))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the fused CPU loop (formats/mxfp4_cpu.py): the same function as fake_quant, bit for bit
-# ----------------------------------------------------------------------------------------------------------
-
-def _assert_loop_is_fake_quant(x: torch.Tensor) -> None:
-    want = mxfp4.fake_quant(x)
-    got = mxfp4_cpu.fake_quant(x, mxfp4.BLOCK_SIZE)
-    assert got.dtype == x.dtype and got.shape == x.shape
-    bits = torch.int16 if x.dtype == torch.bfloat16 else torch.int32
-    nan = want.isnan()
-    assert torch.equal(got.isnan(), nan)
-    same = got.view(bits) == want.view(bits)
-    assert (same | nan).all(), (x[~same & ~nan][:4], got[~same & ~nan][:4], want[~same & ~nan][:4])
-
-
-def test_cpu_loop_on_every_bfloat16_pattern():
-    """Every bfloat16 bit pattern: in order (blocks of neighbouring patterns, NaN and inf among them), alone in a
-    block of zeros (its own scale), and shuffled among the finite ones (every kind of neighbour)."""
-    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    _assert_loop_is_fake_quant(every.reshape(-1, 32))
-    alone = torch.zeros(every.numel(), 32, dtype=torch.bfloat16)
-    alone[:, 7] = every
-    _assert_loop_is_fake_quant(alone)
-    finite = every[every.isfinite()]
-    g = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        _assert_loop_is_fake_quant(finite[torch.randperm(finite.numel(), generator=g)].reshape(-1, 64))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_loop_on_corners_and_random_bits(dtype):
-    """The codec's corner blocks (ties, binade edges, subnormal to largest scales, inf / NaN / signed zeros),
-    random float32 bit patterns, and a decode step's shapes."""
-    g = torch.Generator().manual_seed(5)
-    raw = torch.randint(-(2**31), 2**31 - 1, (4096, 256), generator=g, dtype=torch.int64).to(torch.int32)
-    sets = [*_round_trip_blocks(), _edge_blocks(), raw.view(torch.float32), torch.randn(1, 128, generator=g),
-            torch.randn(3, 8, 256, generator=g) * 1e4]
-    for x in sets:
-        _assert_loop_is_fake_quant(x.to(dtype))
-
-
-def test_cpu_loop_takes_only_what_it_computes():
-    """float16, a tensor requiring grad or a bad block size: clear errors; the model's rounding keeps
-    fake_quant for what the loop does not take."""
-    with pytest.raises(ValueError, match="not a multiple of 32"):
-        mxfp4_cpu.fake_quant(torch.zeros(2, 48), 32)
-    with pytest.raises(TypeError, match="float16"):
-        mxfp4_cpu.fake_quant(torch.zeros(2, 32, dtype=torch.float16), 32)
-    with pytest.raises(TypeError, match="requiring grad"):
-        mxfp4_cpu.fake_quant(torch.zeros(2, 32, requires_grad=True), 32)
-    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2)) * 5
-    strided = x.t().contiguous().t()  # not contiguous: rounded as its values, not its storage order
-    assert torch.equal(mxfp4_cpu.fake_quant(strided, 32), mxfp4.fake_quant(x))
-    half = x.half()
-    assert not mxfp4_cpu.supports(half)
-    assert torch.equal(round_to_mxfp4(half), mxfp4.fake_quant(half))
-    assert torch.equal(round_to_mxfp4(x.bfloat16()), mxfp4.fake_quant(x.bfloat16()))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -335,7 +298,6 @@ def test_random_values_bit_exact_against_quark(quark):
         fq = quark.fake_quant(x)
         assert fq.dtype == x.dtype
         assert _same_bits(mxfp4.fake_quant(x), fq), name
-        assert _same_bits(mxfp4_cpu.fake_quant(x, 32), fq), name
         assert _same_bits(ours.to(x.dtype), fq), name
         if x.dtype == torch.float32:
             assert _same_bits(mxfp4.fake_quant(x), quark.act_fake_quant(x)), name
@@ -384,7 +346,6 @@ def test_edge_cases_bit_exact_against_quark(quark):
     assert _same_bits(ours[~tiny], quark.dequant(qp[~tiny], qs[~tiny]))
     fq = quark.fake_quant(x)
     assert _same_bits(mxfp4.fake_quant(x), fq)
-    assert _same_bits(mxfp4_cpu.fake_quant(x, 32), fq)
     assert _same_bits(ours, fq)  # including the tiny blocks: our byte decodes to Quark's own values
     assert _same_bits(mxfp4.fake_quant(x), quark.act_fake_quant(x))
     # the corners really are exercised: tiny, zero-block, largest finite and overflow-to-inf scale bytes
@@ -425,7 +386,6 @@ def test_inf_and_nan_against_quark(quark):
     fq = quark.fake_quant(rows)
     assert _same_bits(ours, fq)
     assert _same_bits(mxfp4.fake_quant(rows), fq)
-    assert _same_bits(mxfp4_cpu.fake_quant(rows, 32), fq)
     assert ours[3:5].isnan().all() and fq[3:5].isnan().all()
     assert ours[0, 0].item() == math.inf and ours[1, 3].item() == -math.inf
     # Quark's own dequantizer agrees on Quark's inf bytes and ours

@@ -83,8 +83,7 @@ def _scale_bytes(scales: torch.Tensor) -> torch.Tensor:
     return _byte_view(scales, "E8M0 scales", allowed)
 
 
-def check_blocks(x: torch.Tensor, group_size: int) -> None:
-    """``x``'s last dim splits into blocks of ``group_size`` (a positive even number), else a ValueError."""
+def _check_last_dim(x: torch.Tensor, group_size: int) -> None:
     if group_size <= 0 or group_size % 2:
         raise ValueError(f"MXFP4 group_size must be a positive even number, got {group_size}")
     if x.ndim == 0 or x.shape[-1] % group_size:
@@ -132,7 +131,7 @@ def quantize_codes(x: torch.Tensor, group_size: int = BLOCK_SIZE) -> tuple[torch
     """``x [..., K]`` float -> (E2M1 codes uint8 ``[..., K]``, one per element; scales uint8 ``[..., K // g]``)."""
     if x.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"MXFP4 quantize needs a floating-point tensor, got {x.dtype}")
-    check_blocks(x, group_size)
+    _check_last_dim(x, group_size)
     lead, k = x.shape[:-1], x.shape[-1]
     blocks = x.to(torch.float32).reshape(*lead, k // group_size, group_size)
     amax = blocks.abs().amax(dim=-1)  # NaN-propagating
@@ -204,33 +203,35 @@ def fake_quant(x: torch.Tensor, group_size: int = BLOCK_SIZE) -> torch.Tensor:
     """Quantize-dequantize ``x [..., K]`` (the W4A4 activation rounding); same shape and dtype as ``x``.
 
     The same values as ``dequantize(*quantize(x))``, bit for bit, in a fraction of the ops (it runs on every
-    W4A4 GEMM input of every step): no codes or scale bytes are formed. A block's magnitudes, divided by its
-    E8M0 scale (:func:`_even_scale`, exact: a power of two), are rounded to the E2M1 grid directly: the grid's
-    spacing ``s`` is 0.5 below 2, 1 below 4 and 2 up to 6 (the largest value). ``(a + C) - C`` with
-    ``C = s * 2**23`` is ``a`` rounded to a multiple of ``s`` (the float32 ulp at ``C`` is ``s``), half to even,
-    which is E2M1's tie rule (ties go to the even code); ``C``'s bits come from ``a``'s exponent, without the
-    comparisons and selects that cost most of this function's time on CPU.
+    W4A4 GEMM input of every step): no codes or scale bytes are formed. A block's values, divided by its E8M0
+    scale (:func:`_even_scale`, exact: a power of two), are rounded to the E2M1 grid directly: the grid's
+    spacing ``s`` is 0.5 below 2, 1 below 4 and 2 up to 6 (the largest value). ``(v + C) - C`` with
+    ``C = 1.5 * s * 2**23`` is ``v`` rounded to a multiple of ``s``, half to even, for either sign (``v + C``
+    stays in the binade ``[2**23 s, 2**24 s)``, whose float32 ulp is ``s``, and ``C`` is an even multiple of
+    ``s``), which is E2M1's tie rule (ties go to the even code); a value that rounds to zero comes out
+    ``C - C = +0.0``, as Quark writes it. ``C``'s bits come from ``v``'s exponent, without the comparisons and
+    selects that would cost most of this function's time on CPU.
     """
     if x.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"MXFP4 quantize needs a floating-point tensor, got {x.dtype}")
-    check_blocks(x, group_size)
+    _check_last_dim(x, group_size)
     lead, k = x.shape[:-1], x.shape[-1]
     blocks = x.to(torch.float32).reshape(*lead, k // group_size, group_size)
-    mag = blocks.abs()
-    scale = _even_scale(mag.amax(dim=-1, keepdim=True))  # NaN for a NaN block: its every element stays NaN
-    a = mag / scale
-    offset = _grid_offset(a)
-    q = ((a + offset) - offset).clamp_(max=6.0)  # saturates at 6, as the largest code
-    # + 0.0: an element that rounds to zero is +0.0, as Quark writes it (copysign would keep -0.0)
-    return (torch.copysign(q, blocks) * scale + 0.0).reshape(*lead, k).to(x.dtype)
+    scale = _even_scale(blocks.abs().amax(dim=-1, keepdim=True))  # NaN for a NaN block: every element NaN
+    v = blocks / scale
+    offset = _grid_offset(v)
+    q = (v + offset).sub_(offset).clamp_(-6.0, 6.0)  # saturates at +-6, as the largest codes
+    return q.mul_(scale).reshape(*lead, k).to(x.dtype)
 
 
-def _grid_offset(a: torch.Tensor) -> torch.Tensor:
-    """``C = s * 2**23`` for magnitudes ``a >= 0`` (float32, NaN allowed): ``s`` the E2M1 grid spacing at ``a``,
-    0.5 below 2 (biased exponent <= 127), 1 in [2, 4) (128), 2 from 4 up (>= 129); ``C``'s biased exponent is
-    that exponent, clamped to [127, 129], plus 22."""
-    # the exponent field kept in place, clamped, plus 22 in it (a NaN's C is any of the three: NaN + C - C is NaN)
-    return ((a.view(torch.int32) & 0x7F800000).clamp_(127 << 23, 129 << 23) + (22 << 23)).view(torch.float32)
+def _grid_offset(v: torch.Tensor) -> torch.Tensor:
+    """``C = 1.5 * s * 2**23`` for values ``v`` (float32, any sign, NaN allowed): ``s`` the E2M1 grid spacing at
+    ``|v|``, 0.5 below 2 (biased exponent <= 127), 1 in [2, 4) (128), 2 from 4 up (>= 129); ``C``'s biased
+    exponent is that exponent, clamped to [127, 129], plus 22, and its significand 1.5."""
+    # the exponent field kept in place (the sign bit dropped), clamped, plus 22 and the significand's top bit
+    # (a NaN's C is any of the three: NaN + C - C is NaN)
+    return ((v.view(torch.int32) & 0x7F800000).clamp_(127 << 23, 129 << 23) + ((22 << 23) | (1 << 22))).view(
+        torch.float32)
 
 
 def _even_scale(amax: torch.Tensor) -> torch.Tensor:

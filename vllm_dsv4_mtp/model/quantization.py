@@ -6,17 +6,14 @@ at run time is the activation rounding of a W4A4 scheme: the AMD Quark export de
 GEMMs' inputs to MXFP4 as the MI355 kernels do. The official release's FP4 experts are weight-only (W4A16)
 and its FP8 linears run on decoded weights.
 
-The config is parsed once, here, per model (:func:`layer_rounding`); :func:`round_to_mxfp4` is that rounding.
+The config is parsed once, here, per model (:func:`layer_rounding`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from vllm_dsv4_mtp.config import DeepseekV4Spec
-from vllm_dsv4_mtp.formats import mxfp4, mxfp4_cpu
 
 FP8_METHODS = ("fp8", "deepseek_v4_fp8")  # vLLM renames the release's "fp8" for DeepseekV4ForCausalLM
 
@@ -59,11 +56,3 @@ def _w4a4(quark, module: str) -> bool:
         return True
     raise ValueError(f"{quark.source}: {module} is declared {kind} with {inputs.get('dtype')} input activations; "
                      "the portable path reproduces MXFP4 activation rounding only (W4A4) or none")
-
-
-def round_to_mxfp4(x: torch.Tensor) -> torch.Tensor:
-    """A W4A4 GEMM input ``x [..., K]`` rounded to MXFP4 (``mxfp4.fake_quant``, same shape and dtype): through
-    the fused CPU loop (``formats/mxfp4_cpu.py``, the same bits in one op) where it takes ``x``."""
-    if mxfp4_cpu.supports(x):
-        return mxfp4_cpu.fake_quant(x, mxfp4.BLOCK_SIZE)
-    return mxfp4.fake_quant(x)

@@ -278,14 +278,15 @@ def test_rocm_wheel_carries_the_entry_point_setup_env_verifies(rocm_wheel):
 
 
 def test_rocm_wheel_holds_every_runtime_module_and_serves_from_itself(rocm_wheel, tmp_path):
-    """Every module of the package tree but the training code and test oracles is in the wheel, and the
-    plugin's entry point, both model classes and the CLIs import from the installed wheel alone (a package
-    directory without ``__init__.py`` is silently left out by setuptools' discovery)."""
+    """Every module of the package tree (and the C source the portable attention builds on first use) but the
+    training code and test oracles is in the wheel, and the plugin's entry point, both model classes and the
+    CLIs import from the installed wheel alone (a package directory without ``__init__.py`` is silently left
+    out by setuptools' discovery)."""
     with zipfile.ZipFile(rocm_wheel) as z:
         names = set(z.namelist())
     excluded = ("vllm_dsv4_mtp/embedded/training/", "vllm_dsv4_mtp/reference/", "vllm_dsv4_mtp/testing/")
-    expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / "vllm_dsv4_mtp").rglob("*.py")
-                if "__pycache__" not in p.parts}
+    expected = {p.relative_to(ROOT).as_posix() for suffix in ("*.py", "*.c")
+                for p in (ROOT / "vllm_dsv4_mtp").rglob(suffix) if "__pycache__" not in p.parts}
     expected = {m for m in expected if not m.startswith(excluded)}
     expected |= {"vllm_dsv4_mtp/quant/" + p.name for p in (ROOT / "quant").glob("*.py")}
     assert expected <= names, sorted(expected - names)

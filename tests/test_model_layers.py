@@ -182,15 +182,18 @@ def test_attention_matches_hf(tmp_path, ratios, lid):
     torch.testing.assert_close(y, y_ref[0], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("union_picks", [None, 0])
+@pytest.mark.parametrize("kernel_max,union_picks", [(None, None), (0, None), (0, 0)])
 @pytest.mark.usefixtures("vllm_dist")
-def test_attention_chunked_queries_equal_full(tmp_path, monkeypatch, union_picks):
+def test_attention_chunked_queries_equal_full(tmp_path, monkeypatch, kernel_max, union_picks):
     """Queries processed in pieces (as chunked prefill, decodes and verify windows do, over rows 0..end) give
-    the same output; decodes and verify windows fold their queries' C4 picks into one key set
-    (``UNION_PICKS``), and the same steps with each query's picks as a set of its own (``union_picks=0``)
-    give it too."""
+    the same output. Short pieces attend through the compiled kernel (``model/sink_kernel.py``); the same
+    steps through torch's flash kernel (``kernel_max=0``) give it too, with decodes and verify windows folding
+    their queries' C4 picks into one key set (``UNION_PICKS``) and with each query's picks as a set of its own
+    (``union_picks=0``)."""
     from vllm_dsv4_mtp.model import attention
 
+    if kernel_max is not None:
+        monkeypatch.setattr(attention, "KERNEL_MAX_QUERIES", kernel_max)
     if union_picks is not None:
         monkeypatch.setattr(attention, "UNION_PICKS", union_picks)
     cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=5)

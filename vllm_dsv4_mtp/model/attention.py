@@ -43,6 +43,7 @@ from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
 from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
 from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.rope import layer_rope
+from vllm_dsv4_mtp.model import sink_kernel
 from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
 from vllm_dsv4_mtp.model.split_sums import all_reduce, split_sum_linear, wide_layer
 from vllm_dsv4_mtp.model.window_kernel import WindowKernel, usable
@@ -57,6 +58,11 @@ BLOCK_DIAGONAL_MAX = 1 << 20
 # embedded model's index_topk 16: up to K = 7); with DeepSeek-V4's 512 or 1024 picks, and for prefill segments,
 # each query's picks stay a set of its own. A decode's picks (one query) always join.
 UNION_PICKS = 128
+# segments of up to this many queries (decodes, verify windows, short chunks) attend through the compiled kernel
+# (model/sink_kernel.py) where it is usable; longer (prefill) segments through torch's flash kernel, whose
+# blocked GEMMs over a segment's queries pay there (one thread, bf16, ~150 keys and 16 picks a query: the
+# kernel 194 against 311 us at 32 queries, 3.1 against 3.0 ms at 256)
+KERNEL_MAX_QUERIES = 32
 
 
 def _folds_picks(s: int, k: int) -> bool:
@@ -180,6 +186,7 @@ class DeepseekV4Attention(nn.Module):
         self.attn_sink.weight_loader = self._load_sink  # type: ignore[attr-defined]
         self._wo_b_wide: Linear | None = None  # float32 models: wo_b in float64, set by pack()
         self._window_kernel: tuple[torch.Tensor, WindowKernel | None] | None = None  # (bound cache, kernel)
+        self._sink_kernel: tuple[torch.Tensor, bool] | None = None  # (bound cache, usable)
 
     def _build_compression(self, spec: DeepseekV4Spec, prefix: str) -> None:
         """The layer's rope (YaRN on compressed layers), its compressor (C4 / C128) and, on C4, the indexer."""
@@ -262,6 +269,14 @@ class DeepseekV4Attention(nn.Module):
             self._window_kernel = (cache, kernel)
         return self._window_kernel[1]
 
+    def uses_sink_kernel(self) -> bool:
+        """Whether short segments attend through the compiled kernel (``model/sink_kernel.py``) over this
+        layer's bound cache; decided once per bound cache."""
+        cache = self.cache.kv_cache
+        if self._sink_kernel is None or self._sink_kernel[0] is not cache:
+            self._sink_kernel = (cache, sink_kernel.usable(cache.dtype, self.head_dim, cache.device))
+        return self._sink_kernel[1]
+
     def forward_paged(self, md, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` for explicit metadata (a ``PortableAttentionMetadata``) over the bound cache."""
         md.check_positions(positions)
@@ -318,10 +333,11 @@ class DeepseekV4Attention(nn.Module):
         o = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(b * s, *q.shape[1:])
         return o if md.output_index is None else o.index_select(0, md.output_index)
 
-    def _shared_keys(self, md) -> tuple[torch.Tensor, torch.Tensor]:
+    def _shared_keys(self, md, additive: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys every query of a segment may see: the window and (C128-style layers) every complete entry, as
-        one cache-piece index ``[n_seg, K]`` (one gather reads both) and their additive mask ``[n_seg, S, K]``;
-        the same for every layer of this kind, so made once per step."""
+        one cache-piece index ``[n_seg, K]`` (one gather reads both) and which each query may not see,
+        ``[n_seg, S, K]``: bool (True = masked), or with ``additive`` the additive mask in the cache dtype; the
+        same for every layer of this kind, so made once per step."""
         key = ("shared_keys", self.window, 0 if self.indexer is not None else self.compress_ratio)
         if key not in md.memo:
             ch = self.channels
@@ -331,15 +347,22 @@ class DeepseekV4Attention(nn.Module):
             if ent is not None and ent.count:
                 index.append(self.cache.piece_index(ent.slots, ch["entry"]))
                 hidden.append(ent.hidden)
-            md.memo[key] = (torch.cat(index, dim=1), additive_mask(torch.cat(hidden, dim=-1), self.cache.dtype))
-        return md.memo[key]
+            md.memo[key] = (torch.cat(index, dim=1), torch.cat(hidden, dim=-1))
+        index, hidden = md.memo[key]
+        if not additive:
+            return index, hidden
+        if key + ("additive",) not in md.memo:
+            md.memo[key + ("additive",)] = additive_mask(hidden, self.cache.dtype)
+        return index, md.memo[key + ("additive",)]
 
     def _attend_group(self, md, seg: slice, q: torch.Tensor, iq: torch.Tensor | None,
                       iw: torch.Tensor | None) -> torch.Tensor:
         """One group of segments: ``q: [B, S, H_local, d]`` -> ``[B, S, H_local, d]``."""
         ch = self.channels
-        index, mask = (t[seg] for t in self._shared_keys(md))
+        kernel = q.shape[1] <= KERNEL_MAX_QUERIES and self.uses_sink_kernel()
+        index, mask = (t[seg] for t in self._shared_keys(md, additive=not kernel))
         per_query = None
+        picked = unseen = None
         ent = md.entries(self.compress_ratio) if self.indexer is not None else None
         if ent is not None and ent.count:  # C4: each query's indexer picks among the complete entries
             slots = ent.slots[seg]
@@ -348,7 +371,9 @@ class DeepseekV4Attention(nn.Module):
                                          topk=self.indexer.topk)
             bsz, s, k = picks.shape
             picked = self.cache.piece_index(torch.gather(slots, 1, picks.reshape(bsz, s * k)), ch["entry"])
-            if _folds_picks(s, k):
+            if kernel:  # each query reads its own picks by index
+                picked = picked.view(bsz, s, k)
+            elif _folds_picks(s, k):
                 # decodes and short verify windows: every query's picks join the segment's key set, each visible
                 # only to the query that picked it (an entry two queries picked is there twice, once for each),
                 # so one gather and one kernel pass serve the segment
@@ -357,5 +382,8 @@ class DeepseekV4Attention(nn.Module):
                 mask = torch.cat([mask, additive_mask(hidden, mask.dtype)], dim=-1)
             else:
                 per_query = (self.cache.gather_pieces(picked.view(bsz, s, k)), unseen)
+        if kernel:  # keys read from the cache by index, masks as they are
+            return sink_kernel.attend_rows(q, self.cache.piece_table(), index, mask, picked, unseen,
+                                           self.attn_sink, self.scale)
         keys = self.cache.gather_pieces(index)
         return sink_attention(q, (keys, mask), per_query, self.attn_sink, self.scale)

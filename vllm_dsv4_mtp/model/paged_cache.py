@@ -235,6 +235,11 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
     def _pieces(self) -> torch.Tensor:
         return self.kv_cache.view(-1, self.piece_width)  # [num_blocks * pieces * B, piece_width]
 
+    def piece_table(self) -> torch.Tensor:
+        """The cache as its table of pieces ``[num_blocks * pieces * block_size, piece_width]`` (a view), which
+        :meth:`piece_index` indexes: for kernels that read pieces by index themselves."""
+        return self._pieces()
+
     def _index(self, slots: torch.Tensor, first: int, n: int) -> torch.Tensor:
         """Indices in :meth:`_pieces` of pieces ``first .. first + n - 1`` of the rows at ``slots: [...]`` ->
         ``[..., n]``."""

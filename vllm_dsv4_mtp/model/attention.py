@@ -15,9 +15,12 @@ and output groups (``wo_a``) are split across tensor-parallel ranks, ``wo_b`` re
 part is :class:`vllm_dsv4_mtp.model.paged_cache.PagedRowCache` with the step's addressing
 (``model/attention_metadata.py``); this file holds the maths, batched over the whole step: the queries are
 laid out as ``[n_seg, S]`` segments (consecutive queries of one request), each segment attends to one
-contiguous window-key range plus the C128 entries it may see or (C4) each query's indexer picks. A layer with
-compress ratio 0 attends through vLLM's CPU paged-attention kernel instead where that kernel takes its cache
-(``model/window_kernel.py``): the window and the sink are all it sees.
+contiguous window-key range plus the C128 entries it may see or (C4) each query's indexer picks. Segments of up
+to ``KERNEL_MAX_QUERIES`` queries (decodes, verify windows) attend through the plugin's compiled loop, which reads
+those keys from the cache by index (``model/sink_kernel.py``); longer ones through torch's flash kernel over
+gathered keys (``model/sink_attention.py``). A layer with compress ratio 0 attends through vLLM's CPU
+paged-attention kernel instead where that kernel takes its cache (``model/window_kernel.py``): the window and the
+sink are all it sees.
 """
 
 from __future__ import annotations

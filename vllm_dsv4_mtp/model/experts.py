@@ -4,7 +4,8 @@ Weights are dense in the model dtype: a checkpoint's MXFP4 / FP4 / FP8 experts a
 load (``vllm_dsv4_mtp.formats.dequant``), which costs ``16 / 4.25 = 3.8x`` the packed bytes in BF16 (the
 embedded model's 4 x 8 experts: 1.6 MB instead of 0.4 MB) and saves a decode of every hit expert at every
 step. What the Quark W4A4 scheme adds at run time is kept: each GEMM's input is rounded to MXFP4 (dynamic,
-groups of 32 along K, ``mxfp4.fake_quant``) when ``activation_quant`` is set.
+groups of 32 along K: ``mxfp4.fake_quant``, through its compiled loop ``model/mxfp4_round.py`` on CPU) when
+``activation_quant`` is set.
 
 Parameters use the names and weight-loader signature of vLLM's fused experts (``w13_weight [E, 2 I, D]`` =
 [w1; w3] rows, ``w2_weight [E, D, I]``; ``weight_loader(param, w, name, shard_id, expert_id)``), so the one
@@ -31,6 +32,7 @@ from torch import nn
 
 from vllm_dsv4_mtp.formats import mxfp4
 from vllm_dsv4_mtp.model.cpu_linear import Linear, dispatched_linear, loaded_weight, plain_linears, slice_linears
+from vllm_dsv4_mtp.model.mxfp4_round import round_to_mxfp4
 from vllm_dsv4_mtp.model.split_sums import partial_dtype, wide_linear
 
 # The all-expert pass (every expert's GEMMs over every token) while those cost at most this many multiply-adds;
@@ -127,7 +129,7 @@ class PortableExperts(nn.Module):
 
     # --------------------------------------------------------------------------------------------- compute
     def _act(self, x: torch.Tensor) -> torch.Tensor:
-        return mxfp4.fake_quant(x) if self.activation_quant else x
+        return round_to_mxfp4(x) if self.activation_quant else x
 
     def _swiglu(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = h.chunk(2, dim=-1)

@@ -21,9 +21,9 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
-from vllm_dsv4_mtp.formats import mxfp4
 from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, keep_loaded_weight
 from vllm_dsv4_mtp.model.experts import PortableExperts, swiglu_clamped
+from vllm_dsv4_mtp.model.mxfp4_round import round_to_mxfp4
 from vllm_dsv4_mtp.model.split_sums import all_reduce, partial_dtype, split_sum_linear, wide_layer
 
 _SCORE_FUNCS = {
@@ -103,7 +103,7 @@ class SharedExpert(nn.Module):
         return self.down_proj if self._down_wide is None else self._down_wide
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
-        return mxfp4.fake_quant(x) if self.activation_quant else x
+        return round_to_mxfp4(x) if self.activation_quant else x
 
     def forward(self, x: torch.Tensor, x_rounded: torch.Tensor | None = None) -> torch.Tensor:
         """``x: [T, D]`` -> this rank's part ``[T, D]`` in ``partial_dtype(x.dtype)`` (not yet all-reduced);
@@ -163,7 +163,7 @@ class DeepseekV4MoE(nn.Module):
         weights, ids = self.gate(x, input_ids)
         # under W4A4 both expert kinds round the same input: once
         both = self.experts.activation_quant and self.shared_experts.activation_quant
-        x_rounded = mxfp4.fake_quant(x) if both else None
+        x_rounded = round_to_mxfp4(x) if both else None
         se, ex = self.shared_experts, self.experts
         if ex.takes_all(x.shape[0]):
             # few enough tokens and experts that computing every expert costs less than dispatching

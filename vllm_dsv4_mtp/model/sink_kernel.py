@@ -8,113 +8,34 @@ Scores, probabilities and sums are float32 for bfloat16 and float32 rows alike, 
 step's C4 layer at batch 64 (144 keys a query) takes ~0.36 ms here against ~0.62 ms for the gather and flash
 kernel; at batch 1, 9 against 35 us (docs/benchmarks.md).
 
-The C file is built once per machine and source with the C compiler (``$CC``, else ``cc``; ``-O3
--march=native``, OpenMP where the compiler has it; no C library headers needed) into
-``$XDG_CACHE_HOME/vllm_dsv4_mtp`` (``~/.cache``), under a name hashing the source, the compiler's version, the
-flags and this CPU's feature flags, and loaded with ctypes (the call releases the GIL). Without a compiler, or
-if the build or a probe against the reference fails, :func:`usable` says no, once, in the log, and the
-attention keeps torch's path.
+Built on first use with the machine's C compiler (``model/cpu_kernels.py``); without one, or if the build or the
+probe against the reference (:func:`kernel_works`) fails, :func:`usable` says no and the attention keeps
+torch's path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 from vllm.logger import init_logger
 
+from vllm_dsv4_mtp.model.cpu_kernels import KernelError, library
+
 logger = init_logger("vllm.dsv4_mtp.sink_kernel")
 
-SOURCE = Path(__file__).with_name("csrc") / "sink_attention.c"
-# no C library headers, start files or libraries: the source needs none (the compiler alone builds it)
-FLAGS = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-nostdinc", "-nostdlib"]
-VARIANTS = ((FLAGS + ["-fopenmp"], ["-lgomp"]), (FLAGS, []))  # OpenMP where the compiler has it
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 VECTOR = 16  # floats per vector in the C file: head sizes must be a multiple
 MAX_HEAD = 512
 ERRORS = {1: "out of memory", 2: "a key index outside the cache's piece table", 3: "an unsupported head size"}
 
 
-class KernelError(RuntimeError):
-    """The compiled kernel refused a call (its return code, in words)."""
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "vllm_dsv4_mtp"
-
-
-def _cpu_flags() -> str:
-    """This CPU's feature flags (``-march=native`` builds for them), or the machine name where not readable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compile(compiler: str, flags: list[str], libs: list[str], dest: Path) -> None:
-    """Build :data:`SOURCE` into ``dest`` (written under a temporary name, then renamed: processes that build at
-    once each end with a whole file)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=dest.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, *libs], check=True, capture_output=True, text=True,
-                       timeout=120)
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def build() -> Path:
-    """The shared library for this machine and source, built if not yet cached; raises ``OSError`` /
-    ``subprocess.CalledProcessError`` (its ``stderr`` has the compiler's message) where it cannot be built."""
-    compiler = shutil.which(os.environ.get("CC") or "cc")
-    if compiler is None:
-        raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = SOURCE.read_bytes()
-    last: subprocess.CalledProcessError | None = None
-    for flags, libs in VARIANTS:
-        digest = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in (
-            source, version, " ".join(flags + libs), platform.machine(), _cpu_flags()))).hexdigest()[:16]
-        dest = _cache_dir() / f"sink_attention-{digest}.so"
-        if dest.exists():
-            return dest
-        try:
-            _compile(compiler, flags, libs, dest)
-            return dest
-        except subprocess.CalledProcessError as e:
-            last = e
-    assert last is not None
-    raise last
-
-
 @functools.lru_cache(maxsize=None)
 def _function():
-    """The loaded C function, or None (logged once) where it cannot be built or loaded."""
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except subprocess.CalledProcessError as e:
-        logger.info("vllm-dsv4-mtp: the sink-attention kernel did not build (%s); the attention keeps torch's "
-                    "path", (e.stderr or str(e)).strip().splitlines()[-1:])
-        return None
-    except (OSError, subprocess.SubprocessError) as e:
-        logger.info("vllm-dsv4-mtp: the sink-attention kernel is not available (%s); the attention keeps "
-                    "torch's path", e)
+    """The loaded C function, or None where the library is not available (``cpu_kernels.library`` logs why)."""
+    lib = library("sink_attention")
+    if lib is None:
         return None
     fn = lib.dsv4_sink_attention
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64

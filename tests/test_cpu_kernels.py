@@ -1,11 +1,14 @@
-"""The compiled sink-attention kernel (``model/sink_kernel.py``) against the float32 reference."""
+"""The plugin's compiled CPU loops (``model/cpu_kernels.py``): the sink attention (``model/sink_kernel.py``)
+against the float32 reference, the W4A4 rounding (``model/mxfp4_round.py``) against ``mxfp4.fake_quant`` bit for
+bit, and their build."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_dsv4_mtp.model import sink_kernel
+from vllm_dsv4_mtp.formats import mxfp4
+from vllm_dsv4_mtp.model import cpu_kernels, mxfp4_round, sink_kernel
 from vllm_dsv4_mtp.model.sink_attention import sink_attention_reference
 
 CPU = torch.device("cpu")
@@ -28,13 +31,17 @@ def _reference(pieces, q, shared, hidden, own, own_hidden, sink, scale):
     return sink_attention_reference(q.float(), [(k.float(), m) for k, m in parts], sink, scale)
 
 
-def test_the_kernel_builds_and_passes_its_probe_here():
-    """This machine has a C compiler (the project's set-up needs one): the portable attention's short segments
-    take the kernel in float32 and bfloat16, and the build is cached (a second build is the same file)."""
-    path = sink_kernel.build()  # raises, naming the compiler's problem, where there is none or it fails
+def test_the_loops_build_and_pass_their_probes_here():
+    """This machine has a C compiler (the project's set-up needs one): every loop builds, the build is cached (a
+    second build is the same file), the portable attention's short segments take the kernel in float32 and
+    bfloat16, and the MoE's W4A4 rounding takes its loop."""
+    assert cpu_kernels.NAMES == ("mxfp4_round", "sink_attention")
+    for name in cpu_kernels.NAMES:  # raises, naming the compiler's problem, where there is none or it fails
+        path = cpu_kernels.build(name)
+        assert path.exists() and cpu_kernels.build(name) == path
     assert sink_kernel.usable(torch.float32, 128, CPU) and sink_kernel.usable(torch.bfloat16, 128, CPU)
-    assert path.exists() and sink_kernel.build() == path
     assert not sink_kernel.usable(torch.float16, 128, CPU) and not sink_kernel.usable(torch.float32, 120, CPU)
+    assert mxfp4_round.usable()
 
 
 @pytest.mark.parametrize("b,s,h,d,n_shared,k", [
@@ -113,9 +120,9 @@ def test_bad_calls_are_errors_not_reads_out_of_bounds():
     pieces, q, shared, hidden, own, own_hidden, sink = _case(torch.float32, 2, 1, 4, 64, 10, 3, seed=1)
     bad = shared.clone()
     bad[1, 4] = pieces.shape[0]
-    with pytest.raises(sink_kernel.KernelError, match="outside the cache's piece table"):
+    with pytest.raises(cpu_kernels.KernelError, match="outside the cache's piece table"):
         sink_kernel.attend_rows(q, pieces, bad, hidden, own, own_hidden, sink, 0.125)
-    with pytest.raises(sink_kernel.KernelError, match="outside the cache's piece table"):
+    with pytest.raises(cpu_kernels.KernelError, match="outside the cache's piece table"):
         sink_kernel.attend_rows(q, pieces, shared, hidden, own - 10_000, own_hidden, sink, 0.125)
     with pytest.raises(ValueError, match="shared keys"):
         sink_kernel.attend_rows(q, pieces, shared, hidden[:, :, :5], own, own_hidden, sink, 0.125)
@@ -126,14 +133,66 @@ def test_bad_calls_are_errors_not_reads_out_of_bounds():
 
 
 def test_without_a_compiler_the_build_says_so(monkeypatch, tmp_path):
-    """``$CC`` naming no compiler: ``build`` raises (``usable`` then logs it and the attention keeps torch's
-    path); a compiler that fails: the compiler's error."""
+    """``$CC`` naming no compiler: ``build`` raises (``library`` then logs it and returns None: the callers keep
+    their torch path); a compiler that fails: the compiler's error, and no file left behind."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler-here")
     with pytest.raises(OSError, match="no C compiler"):
-        sink_kernel.build()
+        cpu_kernels.build("sink_attention")
+    cpu_kernels.library.cache_clear()
+    try:
+        assert cpu_kernels.library("mxfp4_round") is None
+    finally:
+        cpu_kernels.library.cache_clear()
     monkeypatch.setenv("CC", "false")
     with pytest.raises(Exception) as e:
-        sink_kernel.build()
+        cpu_kernels.build("sink_attention")
     assert "false" in str(e.value) or getattr(e.value, "returncode", 0)
     assert not list(tmp_path.rglob("*.so"))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a, b = a.float(), b.float()
+    return (a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())
+
+
+def test_mxfp4_loop_is_fake_quant_on_every_bfloat16_pattern():
+    """Every bfloat16 bit pattern in order (NaN and inf among them), alone in a block of zeros, and shuffled
+    among the finite ones: the same bits as ``mxfp4.fake_quant`` (NaN payloads aside)."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    alone = torch.zeros(every.numel(), 32, dtype=torch.bfloat16)
+    alone[:, 7] = every
+    finite = every[every.isfinite()]
+    shuffled = finite[torch.randperm(finite.numel(), generator=torch.Generator().manual_seed(0))]
+    for x in (every.reshape(-1, 32), alone, shuffled[: finite.numel() // 64 * 64].reshape(-1, 64)):
+        got = mxfp4_round.compiled_round(x)
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        same = _same_bits(got, mxfp4.fake_quant(x))
+        assert same.all(), (x[~same][:4], got[~same][:4])
+
+
+def test_mxfp4_loop_is_fake_quant_on_random_float32_bits():
+    """1M random float32 bit patterns (every exponent, subnormals, NaN, inf) and scaled normals, as float32 rows
+    and 3-d batches: the same bits as ``mxfp4.fake_quant``."""
+    g = torch.Generator().manual_seed(1)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
+    normals = torch.randn(4, 16, 128, generator=g) * torch.logspace(-30, 30, 16).view(1, 16, 1)
+    for x in (bits.view(torch.float32).reshape(-1, 64), normals):
+        same = _same_bits(mxfp4_round.compiled_round(x), mxfp4.fake_quant(x))
+        assert same.all(), x[~same][:4]
+
+
+def test_round_to_mxfp4_takes_the_loop_only_where_it_serves(monkeypatch):
+    """bfloat16 / float32 CPU rows of a multiple of 32 take the loop; float16, an odd width or a machine without
+    the library take ``fake_quant`` (the same bits), never an error."""
+    calls = []
+    monkeypatch.setattr(mxfp4_round, "compiled_round", lambda x: calls.append(x.dtype) or mxfp4.fake_quant(x))
+    x = torch.randn(3, 64)
+    for t in (x, x.bfloat16(), x.half()):
+        assert torch.equal(mxfp4_round.round_to_mxfp4(t), mxfp4.fake_quant(t))
+    assert calls == [torch.float32, torch.bfloat16]
+    with pytest.raises(ValueError, match="multiple of 32"):  # the codec's own error for a width it cannot block
+        mxfp4_round.round_to_mxfp4(torch.randn(2, 48))
+    monkeypatch.setattr(mxfp4_round, "usable", lambda: False)
+    calls.clear()
+    assert torch.equal(mxfp4_round.round_to_mxfp4(x), mxfp4.fake_quant(x)) and not calls

@@ -107,6 +107,19 @@ def library(name: str) -> ctypes.CDLL | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def function(name: str, symbol: str, argtypes: tuple, restype=ctypes.c_int):
+    """The C function ``symbol`` of ``csrc/<name>.c`` with its ctypes signature, or None where :func:`library`
+    is not available."""
+    lib = library(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.argtypes = list(argtypes)
+    fn.restype = restype
+    return fn
+
+
 def main() -> None:
     """Build every C file (``scripts/setup_env.sh``): a missing or failing compiler stops set-up with its reason."""
     for name in NAMES:

@@ -17,22 +17,18 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.model.cpu_kernels import KernelError, library
+from vllm_dsv4_mtp.model.cpu_kernels import KernelError, function
 
 logger = init_logger("vllm.dsv4_mtp.mxfp4_round")
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-@functools.lru_cache(maxsize=None)
+SIGNATURE = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)  # x, out, rows, k, bf16
+
+
 def _function():
-    lib = library("mxfp4_round")
-    if lib is None:
-        return None
-    fn = lib.dsv4_mxfp4_round
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return function("mxfp4_round", "dsv4_mxfp4_round", SIGNATURE)
 
 
 def compiled_round(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import functools
 import torch
 from vllm.logger import init_logger
 
-from vllm_dsv4_mtp.model.cpu_kernels import KernelError, library
+from vllm_dsv4_mtp.model.cpu_kernels import KernelError, function
 
 logger = init_logger("vllm.dsv4_mtp.sink_kernel")
 
@@ -31,17 +31,14 @@ MAX_HEAD = 512
 ERRORS = {1: "out of memory", 2: "a key index outside the cache's piece table", 3: "an unsupported head size"}
 
 
-@functools.lru_cache(maxsize=None)
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+# q, q_stride, pieces, n_pieces, bf16, B, S, H, d, shared_idx, shared_hidden, K, own_idx, own_hidden, k, sink,
+# scale, out
+SIGNATURE = (_P, _I64, _P, _I64, _I32, _I32, _I32, _I32, _I32, _P, _P, _I32, _P, _P, _I32, _P, ctypes.c_float, _P)
+
+
 def _function():
-    """The loaded C function, or None where the library is not available (``cpu_kernels.library`` logs why)."""
-    lib = library("sink_attention")
-    if lib is None:
-        return None
-    fn = lib.dsv4_sink_attention
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [p, i64, p, i64, i32, i32, i32, i32, i32, p, p, i32, p, p, i32, p, ctypes.c_float, p]
-    fn.restype = i32
-    return fn
+    return function("sink_attention", "dsv4_sink_attention", SIGNATURE)
 
 
 def attend_rows(q: torch.Tensor, pieces: torch.Tensor, shared_index: torch.Tensor, shared_hidden: torch.Tensor,

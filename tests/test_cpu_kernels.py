@@ -116,7 +116,8 @@ def test_strided_queries_are_read_in_place():
 
 
 def test_bad_calls_are_errors_not_reads_out_of_bounds():
-    """An index outside the piece table, mismatched shapes or dtypes are errors naming the problem."""
+    """An index outside the piece table, mismatched shapes or dtypes (int32 indices, float masks, too few sink
+    logits: the C would read past them) are errors naming the problem."""
     pieces, q, shared, hidden, own, own_hidden, sink = _case(torch.float32, 2, 1, 4, 64, 10, 3, seed=1)
     bad = shared.clone()
     bad[1, 4] = pieces.shape[0]
@@ -130,6 +131,9 @@ def test_bad_calls_are_errors_not_reads_out_of_bounds():
         sink_kernel.attend_rows(q, pieces, shared, hidden, own[:, :, :2], own_hidden, sink, 0.125)
     with pytest.raises(ValueError, match="piece table"):
         sink_kernel.attend_rows(q.bfloat16(), pieces, shared, hidden, own, own_hidden, sink, 0.125)
+    for bad in ((shared.int(), hidden, sink), (shared, hidden.float(), sink), (shared, hidden, sink[:2])):
+        with pytest.raises(ValueError, match="int64 indices, bool masks and 4 sink logits"):
+            sink_kernel.attend_rows(q, pieces, bad[0], bad[1], own, own_hidden, bad[2], 0.125)
 
 
 def test_without_a_compiler_the_build_says_so(monkeypatch, tmp_path):

@@ -186,10 +186,10 @@ def test_attention_matches_hf(tmp_path, ratios, lid):
 @pytest.mark.usefixtures("vllm_dist")
 def test_attention_chunked_queries_equal_full(tmp_path, monkeypatch, kernel_max, union_picks):
     """Queries processed in pieces (as chunked prefill, decodes and verify windows do, over rows 0..end) give
-    the same output. Short pieces attend through the compiled kernel (``model/sink_kernel.py``); the same
-    steps through torch's flash kernel (``kernel_max=0``) give it too, with decodes and verify windows folding
-    their queries' C4 picks into one key set (``UNION_PICKS``) and with each query's picks as a set of its own
-    (``union_picks=0``)."""
+    the same output. Every segment attends through the compiled kernel (``model/sink_kernel.py``); the same
+    steps through torch's flash kernel (``kernel_max=0``, the path where the kernel is not usable) give it too,
+    with decodes and verify windows folding their queries' C4 picks into one key set (``UNION_PICKS``) and with
+    each query's picks as a set of its own (``union_picks=0``)."""
     from vllm_dsv4_mtp.model import attention
 
     if kernel_max is not None:

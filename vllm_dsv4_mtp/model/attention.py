@@ -15,10 +15,11 @@ and output groups (``wo_a``) are split across tensor-parallel ranks, ``wo_b`` re
 part is :class:`vllm_dsv4_mtp.model.paged_cache.PagedRowCache` with the step's addressing
 (``model/attention_metadata.py``); this file holds the maths, batched over the whole step: the queries are
 laid out as ``[n_seg, S]`` segments (consecutive queries of one request), each segment attends to one
-contiguous window-key range plus the C128 entries it may see or (C4) each query's indexer picks. Segments of up
-to ``KERNEL_MAX_QUERIES`` queries (decodes, verify windows) attend through the plugin's compiled loop, which reads
-those keys from the cache by index (``model/sink_kernel.py``); longer ones through torch's flash kernel over
-gathered keys (``model/sink_attention.py``). A layer with compress ratio 0 attends through vLLM's CPU
+contiguous window-key range plus the C128 entries it may see or (C4) each query's indexer picks. Segments (at
+most ``attention_metadata.SEGMENT`` = 32 queries: decodes, verify windows, prefill pieces) attend through the
+plugin's compiled loop, which reads those keys from the cache by index (``model/sink_kernel.py``); where that loop
+is not usable (no C compiler, float16 rows) through torch's flash kernel over gathered keys
+(``model/sink_attention.py``). A layer with compress ratio 0 attends through vLLM's CPU
 paged-attention kernel instead where that kernel takes its cache (``model/window_kernel.py``): the window and the
 sink are all it sees.
 """
@@ -61,10 +62,10 @@ BLOCK_DIAGONAL_MAX = 1 << 20
 # embedded model's index_topk 16: up to K = 7); with DeepSeek-V4's 512 or 1024 picks, and for prefill segments,
 # each query's picks stay a set of its own. A decode's picks (one query) always join.
 UNION_PICKS = 128
-# segments of up to this many queries (decodes, verify windows, short chunks) attend through the compiled kernel
-# (model/sink_kernel.py) where it is usable; longer (prefill) segments through torch's flash kernel, whose
-# blocked GEMMs over a segment's queries pay there (one thread, bf16, ~150 keys and 16 picks a query: the
-# kernel 194 against 311 us at 32 queries, 3.1 against 3.0 ms at 256)
+# segments of up to this many queries attend through the compiled kernel (model/sink_kernel.py) where it is usable:
+# today every segment (attention_metadata.SEGMENT is 32); torch's flash kernel only pays for far longer ones (one
+# thread, bf16, ~150 keys and 16 picks a query: the kernel 194 against 311 us at 32 queries, 3.1 against 3.0 ms
+# at 256)
 KERNEL_MAX_QUERIES = 32
 
 

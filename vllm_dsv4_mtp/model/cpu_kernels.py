@@ -16,6 +16,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -53,15 +54,16 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compile(compiler: str, source: Path, flags: list[str], libs: list[str], dest: Path) -> None:
+def _compile(compiler: list[str], source: Path, flags: list[str], libs: list[str], dest: Path) -> None:
     """Build ``source`` into ``dest`` (written under a temporary name, then renamed: processes that build at once
     each end with a whole file)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=dest.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, str(source), "-o", tmp, *libs], check=True, capture_output=True,
+        subprocess.run([*compiler, *flags, str(source), "-o", tmp, *libs], check=True, capture_output=True,
                        text=True, timeout=120)
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache from loading it
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):
@@ -71,10 +73,12 @@ def _compile(compiler: str, source: Path, flags: list[str], libs: list[str], des
 def build(name: str) -> Path:
     """``csrc/<name>.c`` as a shared library for this machine, built if not yet cached; raises ``OSError`` /
     ``subprocess.CalledProcessError`` (its ``stderr`` has the compiler's message) where it cannot be built."""
-    compiler = shutil.which(os.environ.get("CC") or "cc")
-    if compiler is None:
+    cc = shlex.split(os.environ.get("CC") or "cc")  # CC may carry arguments ("ccache gcc")
+    found = shutil.which(cc[0]) if cc else None
+    if found is None:
         raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    compiler = [found, *cc[1:]]
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     source = CSRC / f"{name}.c"
     text = source.read_bytes()
     last: subprocess.CalledProcessError | None = None
@@ -102,8 +106,8 @@ def library(name: str) -> ctypes.CDLL | None:
         why = (e.stderr or str(e)).strip().splitlines()[-1:]
     except (OSError, subprocess.SubprocessError) as e:
         why = str(e)
-    logger.info("vllm-dsv4-mtp: the compiled loop %s is not available (%s); its callers keep their torch path",
-                name, why)
+    logger.warning("vllm-dsv4-mtp: the compiled loop %s is not available (%s); its callers keep their slower "
+                   "torch path", name, why)
     return None
 
 

@@ -1,7 +1,8 @@
-"""The sink attention of short query segments (decodes, verify windows) as one compiled CPU loop over paged rows.
+"""The sink attention of the portable layers' query segments as one compiled CPU loop over paged rows.
 
 :func:`attend_rows` computes :func:`vllm_dsv4_mtp.model.sink_attention.sink_attention_reference`'s function
-for ``B`` segments of ``S`` queries, reading every key straight from the cache's piece table by index
+for ``B`` segments of ``S`` queries (decodes, verify windows, prefill pieces: ``attention_metadata.SEGMENT``
+caps a segment at 32 queries), reading every key straight from the cache's piece table by index
 (``csrc/sink_attention.c``): no gathered copy of the keys, no additive masks, no per-set log-sum-exp to combine.
 Scores, probabilities and sums are float32 for bfloat16 and float32 rows alike, and the output is rounded once
 (torch's CPU flash kernel, the other path, rounds bfloat16 probabilities before the value product). A decode
@@ -54,9 +55,16 @@ def attend_rows(q: torch.Tensor, pieces: torch.Tensor, shared_index: torch.Tenso
     if fn is None:
         raise KernelError("the sink-attention kernel is not available (see the log)")
     b, s, h, d = q.shape
-    if q.dtype != pieces.dtype or q.dtype not in DTYPES or pieces.shape[-1] != d or not pieces.is_contiguous():
+    if (q.dtype != pieces.dtype or q.dtype not in DTYPES or pieces.dim() != 2 or pieces.shape[-1] != d
+            or not pieces.is_contiguous()):
         raise ValueError(f"attend_rows: q {q.dtype} [.., {d}] against a {pieces.dtype} piece table "
                          f"{tuple(pieces.shape)} (contiguous: {pieces.is_contiguous()})")
+    masks = (shared_hidden,) if own_hidden is None else (shared_hidden, own_hidden)
+    indices = (shared_index,) if own_index is None else (shared_index, own_index)
+    if (any(t.dtype != torch.int64 for t in indices) or any(t.dtype not in (torch.bool, torch.uint8) for t in masks)
+            or sink.numel() != h):
+        raise ValueError(f"attend_rows: int64 indices, bool masks and {h} sink logits expected, got "
+                         f"{[t.dtype for t in indices]}, {[t.dtype for t in masks]}, {sink.numel()} sink logits")
     if q.stride(3) != 1 or q.stride(2) != d or q.stride(0) != s * q.stride(1):
         q = q.contiguous()
     k = 0 if own_index is None else own_index.shape[-1]

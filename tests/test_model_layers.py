@@ -182,18 +182,18 @@ def test_attention_matches_hf(tmp_path, ratios, lid):
     torch.testing.assert_close(y, y_ref[0], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("kernel_max,union_picks", [(None, None), (0, None), (0, 0)])
+@pytest.mark.parametrize("flash,union_picks", [(False, None), (True, None), (True, 0)])
 @pytest.mark.usefixtures("vllm_dist")
-def test_attention_chunked_queries_equal_full(tmp_path, monkeypatch, kernel_max, union_picks):
+def test_attention_chunked_queries_equal_full(tmp_path, monkeypatch, flash, union_picks):
     """Queries processed in pieces (as chunked prefill, decodes and verify windows do, over rows 0..end) give
     the same output. Every segment attends through the compiled kernel (``model/sink_kernel.py``); the same
-    steps through torch's flash kernel (``kernel_max=0``, the path where the kernel is not usable) give it too,
+    steps through torch's flash kernel (``flash``, the path where the kernel is not usable) give it too,
     with decodes and verify windows folding their queries' C4 picks into one key set (``UNION_PICKS``) and with
     each query's picks as a set of its own (``union_picks=0``)."""
     from vllm_dsv4_mtp.model import attention
 
-    if kernel_max is not None:
-        monkeypatch.setattr(attention, "KERNEL_MAX_QUERIES", kernel_max)
+    if flash:
+        monkeypatch.setattr(attention.sink_kernel, "usable", lambda *args: False)
     if union_picks is not None:
         monkeypatch.setattr(attention, "UNION_PICKS", union_picks)
     cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=5)

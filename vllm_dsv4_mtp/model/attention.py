@@ -62,11 +62,6 @@ BLOCK_DIAGONAL_MAX = 1 << 20
 # embedded model's index_topk 16: up to K = 7); with DeepSeek-V4's 512 or 1024 picks, and for prefill segments,
 # each query's picks stay a set of its own. A decode's picks (one query) always join.
 UNION_PICKS = 128
-# segments of up to this many queries attend through the compiled kernel (model/sink_kernel.py) where it is usable:
-# today every segment (attention_metadata.SEGMENT is 32); torch's flash kernel only pays for far longer ones (one
-# thread, bf16, ~150 keys and 16 picks a query: the kernel 194 against 311 us at 32 queries, 3.1 against 3.0 ms
-# at 256)
-KERNEL_MAX_QUERIES = 32
 
 
 def _folds_picks(s: int, k: int) -> bool:
@@ -274,8 +269,11 @@ class DeepseekV4Attention(nn.Module):
         return self._window_kernel[1]
 
     def uses_sink_kernel(self) -> bool:
-        """Whether short segments attend through the compiled kernel (``model/sink_kernel.py``) over this
-        layer's bound cache; decided once per bound cache."""
+        """Whether the segments attend through the compiled kernel (``model/sink_kernel.py``) over this
+        layer's bound cache; decided once per bound cache. Every segment may: it is at most
+        ``attention_metadata.SEGMENT`` = 32 queries, where the kernel was measured faster than torch's flash
+        kernel (one thread, bf16, ~150 keys and 16 picks a query: 194 against 311 us at 32 queries; the flash
+        kernel only pays from ~256, 3.0 against 3.1 ms)."""
         cache = self.cache.kv_cache
         if self._sink_kernel is None or self._sink_kernel[0] is not cache:
             self._sink_kernel = (cache, sink_kernel.usable(cache.dtype, self.head_dim, cache.device))
@@ -363,7 +361,7 @@ class DeepseekV4Attention(nn.Module):
                       iw: torch.Tensor | None) -> torch.Tensor:
         """One group of segments: ``q: [B, S, H_local, d]`` -> ``[B, S, H_local, d]``."""
         ch = self.channels
-        kernel = q.shape[1] <= KERNEL_MAX_QUERIES and self.uses_sink_kernel()
+        kernel = self.uses_sink_kernel()
         index, mask = (t[seg] for t in self._shared_keys(md, additive=not kernel))
         per_query = None
         picked = unseen = None

@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
 from vllm.logger import init_logger
 
 logger = init_logger("vllm.dsv4_mtp.cpu_kernels")
@@ -31,6 +32,8 @@ CSRC = Path(__file__).with_name("csrc")
 FLAGS = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-nostdinc", "-nostdlib"]
 VARIANTS = ((FLAGS + ["-fopenmp"], ["-lgomp"]), (FLAGS, []))  # OpenMP where the compiler has it
 NAMES = tuple(sorted(p.stem for p in CSRC.glob("*.c")))
+# the row dtypes the loops take, as their `bf16` flag
+ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class KernelError(RuntimeError):

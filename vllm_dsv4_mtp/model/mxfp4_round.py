@@ -17,12 +17,9 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.model.cpu_kernels import KernelError, function
+from vllm_dsv4_mtp.model.cpu_kernels import ROW_DTYPES, KernelError, function
 
 logger = init_logger("vllm.dsv4_mtp.mxfp4_round")
-
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
 
 SIGNATURE = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)  # x, out, rows, k, bf16
 
@@ -37,13 +34,13 @@ def compiled_round(x: torch.Tensor) -> torch.Tensor:
     fn = _function()
     if fn is None:
         raise KernelError("the MXFP4 rounding loop is not available (see the log)")
-    if x.dtype not in DTYPES or x.device.type != "cpu" or x.shape[-1] % mxfp4.BLOCK_SIZE:
+    if x.dtype not in ROW_DTYPES or x.device.type != "cpu" or x.shape[-1] % mxfp4.BLOCK_SIZE:
         raise ValueError(f"compiled_round: a CPU bfloat16 / float32 tensor with a last dimension divisible by "
                          f"{mxfp4.BLOCK_SIZE} expected, got {x.dtype} {tuple(x.shape)} on {x.device}")
     x = x.contiguous()
     out = torch.empty_like(x)
     k = x.shape[-1] if x.dim() else 0
-    rc = fn(x.data_ptr(), out.data_ptr(), x.numel() // max(k, 1), k, DTYPES[x.dtype])
+    rc = fn(x.data_ptr(), out.data_ptr(), x.numel() // max(k, 1), k, ROW_DTYPES[x.dtype])
     if rc:
         raise KernelError(f"the MXFP4 rounding loop failed (code {rc})")
     return out
@@ -52,7 +49,7 @@ def compiled_round(x: torch.Tensor) -> torch.Tensor:
 def round_to_mxfp4(x: torch.Tensor) -> torch.Tensor:
     """``mxfp4.fake_quant(x)``: through the compiled loop where it serves ``x`` (:func:`usable`), else
     ``fake_quant`` itself; the same bits either way."""
-    if x.dtype in DTYPES and x.device.type == "cpu" and x.dim() and x.shape[-1] % mxfp4.BLOCK_SIZE == 0 \
+    if x.dtype in ROW_DTYPES and x.device.type == "cpu" and x.dim() and x.shape[-1] % mxfp4.BLOCK_SIZE == 0 \
             and usable():
         return compiled_round(x)
     return mxfp4.fake_quant(x)
@@ -68,7 +65,7 @@ def usable() -> bool:
     every = torch.arange(-(2**15), 2**15, 37, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, -0.25, -2.5, -5.0, 0.0, -0.0] * 3 + [6.0] * 25)
     probe = torch.cat([every[: every.numel() // 32 * 32].float(), ties.float()]).reshape(-1, 32)
-    for dtype in DTYPES:
+    for dtype in ROW_DTYPES:
         x = probe.to(dtype)
         try:
             got, want = compiled_round(x).float(), mxfp4.fake_quant(x).float()

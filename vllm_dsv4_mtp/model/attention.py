@@ -41,6 +41,7 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
+from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata, SharedKeys
 from vllm_dsv4_mtp.model.compressor import Compressor
 from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, dispatched_linear, plain_linears, slice_linears
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
@@ -279,12 +280,12 @@ class DeepseekV4Attention(nn.Module):
             self._sink_kernel = (cache, sink_kernel.usable(cache.dtype, self.head_dim, cache.device))
         return self._sink_kernel[1]
 
-    def forward_paged(self, md, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward_paged(self, md: PortableAttentionMetadata, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` for explicit metadata (a ``PortableAttentionMetadata``) over the bound cache."""
         md.check_positions(positions)
         n = md.num_tokens
         x_real = x[:n]
-        rot = self.rope.step_rotation(md.memo, "tokens", md.positions)
+        rot = self.rope.step_rotation(md.derived.rotations, "tokens", md.positions)
         q, qr, rows = self.project(x_real, rot)
         kernel = self.window_kernel()
         if kernel is not None:  # a SWA layer (its rows are the latent alone) through vLLM's CPU kernel
@@ -302,13 +303,14 @@ class DeepseekV4Attention(nn.Module):
                                                  entry_channel=ch["ikey"])
                 index_q, index_w = self.indexer.queries(qr, x_real, rot, self.rope)
             o = self.attend(md, q, index_q, index_w)
-        o = self.rope.apply_(o, self.rope.step_rotation(md.memo, "tokens", md.positions, inverse=True))
+        o = self.rope.apply_(o, self.rope.step_rotation(md.derived.rotations, "tokens", md.positions, inverse=True))
         if n < x.shape[0]:  # padding tokens: output 0
             o = torch.cat([o, o.new_zeros(x.shape[0] - n, *o.shape[1:])])
         return self.output(o)
 
     # ----------------------------------------------------------------------------------------------
-    def attend(self, md, q: torch.Tensor, index_q: torch.Tensor | None, index_w: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, md: PortableAttentionMetadata, q: torch.Tensor, index_q: torch.Tensor | None,
+               index_w: torch.Tensor | None) -> torch.Tensor:
         """Attention of the step's queries ``q: [n, H_local, d]`` over the paged rows -> ``[n, H_local, d]``
         (rope still applied at the query positions). ``index_q, index_w``: the indexer's (C4 only)."""
         b, s = md.num_segments, md.seg_len
@@ -335,13 +337,14 @@ class DeepseekV4Attention(nn.Module):
         o = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(b * s, *q.shape[1:])
         return o if md.output_index is None else o.index_select(0, md.output_index)
 
-    def _shared_keys(self, md, additive: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _shared_keys(self, md: PortableAttentionMetadata, additive: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys every query of a segment may see: the window and (C128-style layers) every complete entry, as
         one cache-piece index ``[n_seg, K]`` (one gather reads both) and which each query may not see,
         ``[n_seg, S, K]``: bool (True = masked), or with ``additive`` the additive mask in the cache dtype; the
-        same for every layer of this kind, so made once per step."""
-        key = ("shared_keys", self.window, 0 if self.indexer is not None else self.compress_ratio)
-        if key not in md.memo:
+        same for every layer of this kind, so made once per step (:class:`SharedKeys`)."""
+        made = md.derived.shared_keys
+        key = (self.window, 0 if self.indexer is not None else self.compress_ratio)
+        if key not in made:
             ch = self.channels
             win = md.window(self.window)
             index, hidden = [self.cache.piece_index(win.slots, ch["kv"])], [win.hidden]
@@ -349,15 +352,15 @@ class DeepseekV4Attention(nn.Module):
             if ent is not None and ent.count:
                 index.append(self.cache.piece_index(ent.slots, ch["entry"]))
                 hidden.append(ent.hidden)
-            md.memo[key] = (torch.cat(index, dim=1), torch.cat(hidden, dim=-1))
-        index, hidden = md.memo[key]
+            made[key] = SharedKeys(torch.cat(index, dim=1), torch.cat(hidden, dim=-1))
+        keys = made[key]
         if not additive:
-            return index, hidden
-        if key + ("additive",) not in md.memo:
-            md.memo[key + ("additive",)] = additive_mask(hidden, self.cache.dtype)
-        return index, md.memo[key + ("additive",)]
+            return keys.index, keys.masked
+        if keys.additive is None:
+            keys.additive = additive_mask(keys.masked, self.cache.dtype)
+        return keys.index, keys.additive
 
-    def _attend_group(self, md, seg: slice, q: torch.Tensor, iq: torch.Tensor | None,
+    def _attend_group(self, md: PortableAttentionMetadata, seg: slice, q: torch.Tensor, iq: torch.Tensor | None,
                       iw: torch.Tensor | None) -> torch.Tensor:
         """One group of segments: ``q: [B, S, H_local, d]`` -> ``[B, S, H_local, d]``."""
         ch = self.channels

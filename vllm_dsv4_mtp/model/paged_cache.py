@@ -272,10 +272,11 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
         rows = rows.to(self.kv_cache.dtype)
         if pad:
             rows = torch.cat([rows, rows.new_zeros(rows.shape[0], pad)], dim=-1)
-        key = ("write_pieces", self.pieces, self.piece_width, n_pieces)  # the same for every layer of this width
-        if key not in md.memo:
-            md.memo[key] = self._index(md.write_slots, 0, n_pieces).reshape(-1)
-        self._pieces().index_copy_(0, md.memo[key], rows.view(-1, self.piece_width))
+        written = md.derived.write_pieces
+        key = (self.pieces, self.piece_width, n_pieces)  # the same for every layer of this width
+        if key not in written:
+            written[key] = self._index(md.write_slots, 0, n_pieces).reshape(-1)
+        self._pieces().index_copy_(0, written[key], rows.view(-1, self.piece_width))
 
     def gather(self, slots: torch.Tensor, start: int, width: int) -> torch.Tensor:
         """Channels ``[start, start + width)`` of the rows at ``slots: [...]`` -> ``[..., width]``."""

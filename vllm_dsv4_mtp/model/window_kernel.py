@@ -28,7 +28,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.logger import init_logger
 
-from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
+from vllm_dsv4_mtp.model.attention_metadata import KernelSchedule, PortableAttentionMetadata
 
 logger = init_logger("vllm.dsv4_mtp.window_kernel")
 
@@ -126,8 +126,9 @@ class WindowKernel:
         out = torch.empty_like(q)
         if n == 0:
             return out
-        key = ("window_kernel", self.window, heads, q.dtype)
-        if key not in md.memo:  # the same for every SWA layer of the step
+        schedules = md.derived.kernel_schedules
+        key = (self.window, heads, q.dtype)
+        if key not in schedules:  # the same for every SWA layer of the step
             qsl = torch.from_numpy(md._qsl.astype("int32"))
             seq_lens = torch.from_numpy(md._seq_lens.astype("int32"))
             table = torch.from_numpy(md._bt.astype("int32"))
@@ -135,10 +136,11 @@ class WindowKernel:
                 num_reqs=seq_lens.shape[0], num_heads=heads, num_kv_heads=1, head_dim=self.head_dim,
                 seq_lens=seq_lens, dtype=q.dtype, query_start_loc=qsl, causal=True,
                 sliding_window_size=self.window, isa=ISA, enable_kv_split=False)
-            md.memo[key] = (qsl, seq_lens, table, sched)
-        qsl, seq_lens, table, sched = md.memo[key]
+            schedules[key] = KernelSchedule(qsl, seq_lens, table, sched)
+        step = schedules[key]
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=self.key_cache, value_cache=self.value_cache, output=out,
-            query_start_loc=qsl, seq_lens=seq_lens, scale=self.scale, causal=True, alibi_slopes=None,
-            sliding_window=self.window, block_table=table, softcap=0.0, scheduler_metadata=sched, s_aux=sink)
+            query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, scale=self.scale, causal=True,
+            alibi_slopes=None, sliding_window=self.window, block_table=step.block_table, softcap=0.0,
+            scheduler_metadata=step.scheduler, s_aux=sink)
         return out

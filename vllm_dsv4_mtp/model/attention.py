@@ -12,7 +12,7 @@ Per token ``t`` at position ``p``::
 
 ``wq_a`` and ``wkv`` are one stacked replicated GEMM (``fused_wqa_wkv``); heads (``wq_b``, ``attn_sink``)
 and output groups (``wo_a``) are split across tensor-parallel ranks, ``wo_b`` reduces. The cache-touching
-part is :class:`vllm_dsv4_mtp.model.paged_cache.PagedRowCache` with the step's addressing
+part is :class:`vllm_dsv4_mtp.model.paged_rows.PagedRowCache` with the step's addressing
 (``model/attention_metadata.py``); this file holds the maths, batched over the whole step: the queries are
 laid out as ``[n_seg, S]`` segments (consecutive queries of one request), each segment attends to one
 contiguous window-key range plus the C128 entries it may see or (C4) each query's indexer picks. Segments (at
@@ -46,7 +46,7 @@ from vllm_dsv4_mtp.model.compressor import Compressor
 from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, dispatched_linear, plain_linears, slice_linears
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
 from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
-from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entry_channels, layer_row_width
+from vllm_dsv4_mtp.model.paged_rows import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.rope import layer_rope
 from vllm_dsv4_mtp.model import sink_kernel
 from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
@@ -347,12 +347,12 @@ class DeepseekV4Attention(nn.Module):
         if key not in made:
             ch = self.channels
             win = md.window(self.window)
-            index, hidden = [self.cache.piece_index(win.slots, ch["kv"])], [win.hidden]
+            index, masked = [self.cache.piece_index(win.slots, ch["kv"])], [win.masked]
             ent = md.entries(self.compress_ratio) if self.compress_ratio and self.indexer is None else None
             if ent is not None and ent.count:
                 index.append(self.cache.piece_index(ent.slots, ch["entry"]))
-                hidden.append(ent.hidden)
-            made[key] = SharedKeys(torch.cat(index, dim=1), torch.cat(hidden, dim=-1))
+                masked.append(ent.masked)
+            made[key] = SharedKeys(torch.cat(index, dim=1), torch.cat(masked, dim=-1))
         keys = made[key]
         if not additive:
             return keys.index, keys.masked
@@ -372,7 +372,7 @@ class DeepseekV4Attention(nn.Module):
         if ent is not None and ent.count:  # C4: each query's indexer picks among the complete entries
             slots = ent.slots[seg]
             index_keys = self.cache.gather(slots, ch["ikey"], self.indexer.head_dim)
-            picks, unseen = indexer_topk(iq, iw, index_keys, ent.hidden[seg], ent.limit[seg],
+            picks, unseen = indexer_topk(iq, iw, index_keys, ent.masked[seg], ent.limit[seg],
                                          topk=self.indexer.topk)
             bsz, s, k = picks.shape
             picked = self.cache.piece_index(torch.gather(slots, 1, picks.reshape(bsz, s * k)), ch["entry"])
@@ -382,9 +382,9 @@ class DeepseekV4Attention(nn.Module):
                 # decodes and short verify windows: every query's picks join the segment's key set, each visible
                 # only to the query that picked it (an entry two queries picked is there twice, once for each),
                 # so one gather and one kernel pass serve the segment
-                hidden = _not_own_picks(s, k, picks.device) | unseen.view(bsz, 1, s * k)
+                masked = _not_own_picks(s, k, picks.device) | unseen.view(bsz, 1, s * k)
                 index = torch.cat([index, picked], dim=1)
-                mask = torch.cat([mask, additive_mask(hidden, mask.dtype)], dim=-1)
+                mask = torch.cat([mask, additive_mask(masked, mask.dtype)], dim=-1)
             else:
                 per_query = (self.cache.gather_pieces(picked.view(bsz, s, k)), unseen)
         if kernel:  # keys read from the cache by index, masks as they are

@@ -12,7 +12,7 @@ this module derives, with numpy, every index the layers need, so no layer loops 
   is the identity: no segment is padded, as in a step of decodes or of equal verify windows).
 * on first use by a layer, kept for the others (:meth:`window`, :meth:`entries`, :meth:`completions`):
   the cache slots of each segment's window keys with the per-query mask; the slots of the rows that hold
-  compressed entries (the row of the token completing each block, see ``model/paged_cache.py``) with
+  compressed entries (the row of the token completing each block, see ``model/paged_rows.py``) with
   the per-query visibility; and the slots of the rows of every block this step completes.
 
 Those, and what layers derive from them (rotations, cache-piece indices, the shared key sets, vLLM's kernel
@@ -37,23 +37,23 @@ SEGMENT = 32
 
 @dataclass
 class Window:
-    """Window keys of each segment: ``slots [n_seg, K]`` int64, ``hidden [n_seg, S, K]`` bool (True = masked)."""
+    """Window keys of each segment: ``slots [n_seg, K]`` int64, ``masked [n_seg, S, K]`` bool (True = masked)."""
 
     slots: torch.Tensor
-    hidden: torch.Tensor
+    masked: torch.Tensor
 
 
 @dataclass
 class Entries:
     """Compressed entries ``j < (last position + 1) // ratio`` of each segment, padded to ``n = max``.
 
-    ``slots [n_seg, n]`` int64 (rows of positions ``ratio * j + ratio - 1``); ``hidden [n_seg, S, n]`` bool
+    ``slots [n_seg, n]`` int64 (rows of positions ``ratio * j + ratio - 1``); ``masked [n_seg, S, n]`` bool
     (True where ``j >= (query position + 1) // ratio``: not complete for that query); ``limit [n_seg, S, 1]``
     int64 (that bound).
     """
 
     slots: torch.Tensor
-    hidden: torch.Tensor
+    masked: torch.Tensor
     limit: torch.Tensor
     count: int
 
@@ -207,9 +207,9 @@ class PortableAttentionMetadata:
             kpos = first[:, None] + np.arange(k)[None, :]  # [n_seg, K]
             q = self._qpos[:, :, None]
             kp = kpos[:, None, :]
-            hidden = (kp > q) | (kp <= q - size) | (q < 0)
+            masked = (kp > q) | (kp <= q - size) | (q < 0)
             slots = self.slot(self._seg_req[:, None], np.minimum(kpos, last[:, None]))
-            self.derived.windows[size] = Window(_dev(slots, self.device), _dev(hidden, self.device))
+            self.derived.windows[size] = Window(_dev(slots, self.device), _dev(masked, self.device))
         return self.derived.windows[size]
 
     def entries(self, ratio: int) -> Entries:
@@ -221,8 +221,8 @@ class PortableAttentionMetadata:
             jpos = np.where(j < n_seg[:, None], ratio * j + ratio - 1, 0)
             slots = self.slot(self._seg_req[:, None], jpos)
             limit = (self._qpos + 1) // ratio  # [n_seg, S]; padding queries (-1) see none
-            hidden = j[None] >= limit[:, :, None]
-            self.derived.entries[ratio] = Entries(_dev(slots, self.device), _dev(hidden, self.device),
+            masked = j[None] >= limit[:, :, None]
+            self.derived.entries[ratio] = Entries(_dev(slots, self.device), _dev(masked, self.device),
                                                   _dev(limit[:, :, None], self.device), n)
         return self.derived.entries[ratio]
 

@@ -13,7 +13,7 @@ once its block is complete; a query at position ``t`` sees entries ``j < (t + 1)
 
 The portable attention core keeps ``[c | z]`` per token in the paged KV cache; :meth:`Compressor.complete`
 pools a block once, in the step that writes its last token, from the block's cached rows, and stores the
-entry in that token's row (see ``model/paged_cache.py``). Also used, at ``hd = index_head_dim``, by the
+entry in that token's row (see ``model/paged_rows.py``). Also used, at ``hd = index_head_dim``, by the
 lightning indexer.
 """
 
@@ -28,7 +28,7 @@ from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO, blocks_per_entry
 from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
 from vllm_dsv4_mtp.model.cpu_linear import LINEARS
 from vllm_dsv4_mtp.model.norm import rms_norm
-from vllm_dsv4_mtp.model.paged_cache import PagedRowCache
+from vllm_dsv4_mtp.model.paged_rows import PagedRowCache
 from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
 

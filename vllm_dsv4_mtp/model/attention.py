@@ -56,7 +56,8 @@ from vllm_dsv4_mtp.model.window_kernel import WindowKernel, usable
 # the intermediates of one group of segments (masks, gathered keys, indexer scores) stay below this many elements
 GROUP_BUDGET = 1 << 23
 # wo_a as one block-diagonal linear while that matrix has at most this many elements (the embedded model's:
-# 2 x 64 x 2 x 256; 24 -> 12 us at 1 token, 32 -> 16 at 64 on CPU); DeepSeek-V4's own groups stay one call each
+# 2 x 64 x 2 x 256: one call instead of one per group and a concatenation, faster on CPU: docs/benchmarks.md);
+# DeepSeek-V4's own groups stay one call each
 BLOCK_DIAGONAL_MAX = 1 << 20
 # a verify window's queries' C4 picks (S * k) join its shared key set up to this many: each query computes
 # scores over the others' picks too, which costs less than a second kernel pass while the union is small (the
@@ -272,9 +273,8 @@ class DeepseekV4Attention(nn.Module):
     def uses_sink_kernel(self) -> bool:
         """Whether the segments attend through the compiled kernel (``model/sink_kernel.py``) over this
         layer's bound cache; decided once per bound cache. Every segment may: it is at most
-        ``attention_metadata.SEGMENT`` = 32 queries, where the kernel was measured faster than torch's flash
-        kernel (one thread, bf16, ~150 keys and 16 picks a query: 194 against 311 us at 32 queries; the flash
-        kernel only pays from ~256, 3.0 against 3.1 ms)."""
+        ``attention_metadata.SEGMENT`` = 32 queries, where the kernel is faster than torch's flash kernel, which
+        only pays for segments several times longer (docs/benchmarks.md)."""
         cache = self.cache.kv_cache
         if self._sink_kernel is None or self._sink_kernel[0] is not cache:
             self._sink_kernel = (cache, sink_kernel.usable(cache.dtype, self.head_dim, cache.device))

@@ -51,8 +51,8 @@ def indexer_topk(
     return picks, picks >= limit
 
 
-# from this many scores in a call, top-k over int64 keys is faster than sorting every query's scores
-# (measured on CPU: 64 x 250 scores 402 -> 108 us, 64 x 1,000 2.0 -> 0.43 ms; below, the sort is faster)
+# from this many scores in a call, top-k over int64 keys is faster than sorting every query's scores; below, the
+# sort is faster (on CPU: docs/benchmarks.md)
 KEYED_TOPK_FROM = 1 << 13
 
 

@@ -6,8 +6,8 @@ caps a segment at 32 queries), reading every key straight from the cache's piece
 (``csrc/sink_attention.c``): no gathered copy of the keys, no additive masks, no per-set log-sum-exp to combine.
 Scores, probabilities and sums are float32 for bfloat16 and float32 rows alike, and the output is rounded once
 (torch's CPU flash kernel, the other path, rounds bfloat16 probabilities before the value product). A decode
-step's C4 layer at batch 64 (144 keys a query) takes ~0.36 ms here against ~0.62 ms for the gather and flash
-kernel; at batch 1, 9 against 35 us (docs/benchmarks.md).
+step's C4 layer takes less time here than through the gather and flash kernel, at batch 1 and at batch 64
+(docs/benchmarks.md, "Why the code is as it is").
 
 Built on first use with the machine's C compiler (``model/cpu_kernels.py``); without one, or if the build or the
 probe against the reference (:func:`kernel_works`) fails, :func:`usable` says no and the attention keeps

@@ -4,10 +4,9 @@ A DeepSeek-V4 layer with compress ratio 0 (the embedded model's layer 0, every M
 position ``p`` to the latents of positions ``p - W + 1 .. p`` with one sink logit per head: what vLLM's CPU
 attention kernel (``cpu_attention_with_kv_cache``) computes for a sliding-window model with attention sinks,
 causal, one KV head shared by the query heads, from the paged cache and the step's block table, for every
-request of the step in one call (no per-segment gather, mask or flash-kernel call). At 64 decode sequences,
-window 128, head 128, it takes 139 us on warm caches against ~600 us for the gather and flash-kernel path of
-``model/sink_attention.py``. In the engine, where the window rows come from memory, a step is 2-5 % shorter
-(docs/benchmarks.md).
+request of the step in one call (no per-segment gather, mask or flash-kernel call), so it takes less time than
+the gather and flash-kernel path of ``model/sink_attention.py``: far less on warm caches, less in the engine,
+where the window rows come from memory (docs/benchmarks.md, "Why the code is as it is").
 
 The kernel keeps keys and values in its own block layout (``cpu_attn_reshape_and_cache``), so the latent, key
 and value at once, is stored twice: in the first ``2 * block_size * head_dim`` elements of each of the layer's

@@ -45,6 +45,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--shared-experts", choices=("keep", "mxfp4"), default="keep",
                    help="keep the shared experts as stored (default; excluded when BF16, FP8 kept as FP8), or "
                         "quantize them to MXFP4 like the routed experts (the AMD export's fused-shared layout)")
+    p.add_argument("--mtp", choices=("bf16", "amd"), default="bf16",
+                   help="the MTP layer: BF16 and excluded (default; quantized MTP tensors decoded exactly), or as "
+                        "AMD's Quark export stores it: routed experts MXFP4, shared expert FP8 128x128 blocks, the "
+                        "rest as the source stores it, declared in the Quark config")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--max-shard-size", type=parse_size, default=None, metavar="SIZE",
                    help="output shard size, e.g. 5GB (default: the largest source shard)")
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         report = quantize_checkpoint(
             args.src, args.dst, shared_experts=args.shared_experts, force=args.force,
             max_shard_bytes=args.max_shard_size, progress=not args.no_progress, check=not args.skip_checks,
-            allow_missing_mtp=args.allow_missing_mtp)
+            allow_missing_mtp=args.allow_missing_mtp, mtp=args.mtp)
     except (QuantizeError, ValueError) as e:  # ValueError: CheckpointError / ConfigError name the file
         print(f"dsv4-mtp quantize: error: {e}", file=sys.stderr)
         return 2

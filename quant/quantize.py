@@ -10,9 +10,12 @@ What happens to each tensor (native names; ``N`` a main layer, ``E`` an expert):
   - FP8 128x128 block (``expert_dtype: fp8`` releases) -> decoded exactly, then MXFP4 as above.
 - ``layers.N.ffn.shared_experts.*``: ``--shared-experts keep`` (default) leaves them as stored (BF16: excluded;
   FP8: kept, see below); ``mxfp4`` quantizes them like routed experts (the AMD export's fused-shared layout).
-- the MTP layer (``mtp.*``): BF16 by policy, listed in ``exclude``. BF16/F32 tensors are copied; FP8 and FP4
-  weights of an official release are decoded to BF16 (exact: a few significant bits times a power of two)
-  and their scales dropped.
+- the MTP layer (``mtp.*``), ``--mtp bf16`` (default): BF16, listed in ``exclude``. BF16/F32 tensors are copied;
+  FP8 and FP4 weights of an official release are decoded to BF16 (exact: a few significant bits times a power of
+  two) and their scales dropped. ``--mtp amd``: as AMD's Quark export stores it: routed experts MXFP4 (as the
+  main layers'), the shared expert FP8 e4m3 in 128x128 blocks with an E8M0 ``.weight_scale`` (an FP8 source's
+  bytes kept, a float one quantized), both declared by ``layer_quant_config`` entries keyed as AMD's config
+  keys them; every other MTP tensor as the source stores it (BF16 excluded, FP8 kept as below).
 - FP8 block weights elsewhere (official attention, indexer, ...): bytes kept; the ``.scale`` is renamed
   ``.weight_scale`` (as Quark's own flow writes kept FP8 layers) and the module gets an FP8 per-block entry in
   ``layer_quant_config``.
@@ -54,12 +57,18 @@ from vllm_dsv4_mtp.quant.publish import (
 )
 from vllm_dsv4_mtp.quant.report import QuantizeReport
 
-__all__ = ["QuantizeError", "QuantizeReport", "quantize_checkpoint", "SHARED_EXPERT_MODES"]
+__all__ = ["QuantizeError", "QuantizeReport", "quantize_checkpoint", "SHARED_EXPERT_MODES", "MTP_MODES"]
 
 SHARED_EXPERT_MODES = ("keep", "mxfp4")
+MTP_MODES = ("bf16", "amd")
 
 ROUTED_EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 SHARED_EXPERT = re.compile(r"^layers\.\d+\.ffn\.shared_experts\.w[123]\.weight$")
+MTP_ROUTED_EXPERT = re.compile(r"^mtp\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+MTP_SHARED_EXPERT = re.compile(r"^mtp\.\d+\.ffn\.shared_experts\.w[123]\.weight$")
+# how AMD's export declares its MTP experts (vLLM's get_deepseek_v4_quark_config keys them the same way)
+MTP_ROUTED_PATTERN = r"re:mtp\.\d+\.ffn\.experts\.\d+\.w[123]$"
+MTP_SHARED_PATTERN = r"re:mtp\.\d+\.ffn\.shared_experts\.w[123]$"
 _FLOAT = ("BF16", "F16", "F32")
 _PACKED_FP4 = ("I8", "U8")
 _E8M0 = ("F8_E8M0", "U8")
@@ -105,10 +114,11 @@ def _scale_owner(reader, name: str) -> str | None:
 class _Converter:
     """One conversion: decides per tensor, writes through a CheckpointWriter."""
 
-    def __init__(self, reader, writer, shared_experts: str, report: QuantizeReport):
-        self.r, self.w, self.shared_experts, self.report = reader, writer, shared_experts, report
+    def __init__(self, reader, writer, shared_experts: str, report: QuantizeReport, mtp: str = "bf16"):
+        self.r, self.w, self.shared_experts, self.report, self.mtp = reader, writer, shared_experts, report, mtp
         self.exclude: set[str] = set()
         self.fp8_layers: dict[str, dict[str, Any]] = {}
+        self.mtp_layers: dict[str, dict[str, Any]] = {}  # --mtp amd: the MTP experts' layer_quant_config entries
 
     # ------------------------------------------------------------------------------------------ helpers
     def where(self, name: str) -> str:
@@ -236,6 +246,31 @@ class _Converter:
         self.w.add(name, value.to(torch.bfloat16))
         self.report.mtp_dequantized.append(name)
 
+    def to_fp8_block(self, name: str, scale: str | None) -> None:
+        """MTP shared expert (``--mtp amd``) -> FP8 e4m3 128x128 blocks + E8M0 ``.weight_scale``: an FP8 source's
+        bytes kept (its scale renamed), a float one quantized (the smallest power-of-two scale >= amax/448)."""
+        import torch
+
+        from vllm_dsv4_mtp.formats.fp8 import quantize_block_fp8
+
+        module = _module(name)
+        if self.fp8_pair(name, scale):
+            self.copy(name)
+            self.copy(scale, module + ".weight_scale")
+            return
+        if self.fp4_pair(name, scale):
+            raise QuantizeError(f"{self.where(name)}: a packed FP4 shared expert cannot be stored FP8 exactly")
+        value = self.decode(name, scale)
+        from vllm_dsv4_mtp.formats.finite import describe_nonfinite
+
+        found = describe_nonfinite(value)
+        if found:
+            self.nonfinite(name, found)
+        q, s = quantize_block_fp8(value.float(), scale_format="e8m0")
+        self.w.add(name, q)
+        self.w.add(module + ".weight_scale", s.view(torch.float8_e8m0fnu))
+        self.report.quantized.append(name)
+
     def keep_fp8(self, name: str, scale: str) -> None:
         """FP8 block weight outside the experts: bytes kept, scale renamed ``.weight_scale``, described as FP8."""
         from vllm_dsv4_mtp.formats.quark_config import fp8_block_layer_config
@@ -257,6 +292,9 @@ class _Converter:
             return
         scale = _scale_of(self.r, name)
         linear = _is_linear_weight(name, info.shape)
+        if name.startswith("mtp.") and self.mtp == "amd":
+            self.convert_mtp_amd(name, scale, linear)
+            return
         if name.startswith("mtp."):
             self.to_bf16(name, scale)
             if linear:
@@ -278,7 +316,25 @@ class _Converter:
             self.exclude.add(_module(name))
 
 
-def _preflight(src: Path, allow_missing_mtp: bool) -> list[str]:
+    def convert_mtp_amd(self, name: str, scale: str | None, linear: bool) -> None:
+        """``--mtp amd``: one MTP weight as AMD's export stores it (module docstring)."""
+        from vllm_dsv4_mtp.formats.quark_config import fp8_block_layer_config, mxfp4_layer_config
+
+        if MTP_ROUTED_EXPERT.match(name):
+            self.to_mxfp4(name, scale)
+            self.mtp_layers[MTP_ROUTED_PATTERN] = mxfp4_layer_config()
+        elif MTP_SHARED_EXPERT.match(name):
+            self.to_fp8_block(name, scale)
+            self.mtp_layers[MTP_SHARED_PATTERN] = fp8_block_layer_config()
+        elif self.fp8_pair(name, scale):
+            self.keep_fp8(name, scale)
+        else:
+            self.to_bf16(name, scale)  # BF16 copied; an FP4 weight outside the experts is not expected
+            if linear:
+                self.exclude.add(_module(name))
+
+
+def _preflight(src: Path, allow_missing_mtp: bool, mtp: str = "bf16") -> list[str]:
     """Header-only check of SRC against its config.json (dsv4-mtp inspect). Errors stop the conversion."""
     from vllm_dsv4_mtp.tools.inspect_checkpoint import inspect_checkpoint
 
@@ -293,9 +349,10 @@ def _preflight(src: Path, allow_missing_mtp: bool) -> list[str]:
     notes = [p for p in report.problems if p.severity == "warning" or p.code in soft]
     out: list[str] = []
     mtp_q = [p for p in notes if p.code == "mtp-quantized"]
-    if mtp_q:  # the official release: expected, and handled (decoded to BF16)
+    if mtp_q:  # the official release: expected, and handled (decoded to BF16, or --mtp amd's layout)
+        what = "decoded to BF16" if mtp == "bf16" else "stored as AMD's export stores them"
         out.append(f"{src}: {len(mtp_q)} MTP weight(s) stored quantized (e.g. {mtp_q[0].tensor}); "
-                   f"decoded to BF16 in the output")
+                   f"{what} in the output")
     rest = [p for p in notes if p.code != "mtp-quantized"]
     out += [p.message for p in rest[:10]]
     if len(rest) > 10:
@@ -317,8 +374,9 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, *, shared_experts: str = "keep", force: bool = False,
                         max_shard_bytes: int | None = None, progress: bool = True, check: bool = True,
-                        allow_missing_mtp: bool = False) -> QuantizeReport:
-    """Convert SRC (BF16, or the official FP8/FP4 release) into DST with Quark MXFP4 experts and a BF16 MTP.
+                        allow_missing_mtp: bool = False, mtp: str = "bf16") -> QuantizeReport:
+    """Convert SRC (BF16, or the official FP8/FP4 release) into DST with Quark MXFP4 experts and a BF16 MTP
+    (``mtp="amd"``: the MTP layer as AMD's export stores it, module docstring).
 
     ``shared_experts``: "keep" or "mxfp4". ``force``: replace an existing DST. ``max_shard_bytes``: output
     shard size (default: the largest source shard). ``check``: run ``dsv4-mtp inspect``'s header checks on SRC
@@ -327,6 +385,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, shared_experts: str
     t0 = time.monotonic()
     if shared_experts not in SHARED_EXPERT_MODES:
         raise QuantizeError(f"shared_experts must be one of {SHARED_EXPERT_MODES}, got {shared_experts!r}")
+    if mtp not in MTP_MODES:
+        raise QuantizeError(f"mtp must be one of {MTP_MODES}, got {mtp!r}")
     src, dst = Path(src), Path(dst)
     swept = _sweep(dst)  # first: a previous output hidden by an interrupted run is put back before DST is judged
     _check_paths(src, dst, force)
@@ -335,19 +395,19 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, shared_experts: str
                             source_quantization="fp8 (official)" if cfg.get("quantization_config") else "none",
                             bytes_in=reader.total_bytes, shards_in=len(reader.shards), warnings=swept)
     if check:
-        report.warnings += _preflight(src, allow_missing_mtp)
+        report.warnings += _preflight(src, allow_missing_mtp, mtp)
     if spec.num_nextn_predict_layers and not any(n.startswith("mtp.") for n in reader):
         report.warnings.append(f"{src}: config declares {spec.num_nextn_predict_layers} MTP layer(s) but no "
                                f"mtp.* tensors are stored; the output has no MTP draft either")
     if max_shard_bytes is None:
         max_shard_bytes = max(p.stat().st_size for p in reader.shards)
-    _check_space(reader, dst, shared_experts)
+    _check_space(reader, dst, shared_experts, mtp)
     crash_point("swept")
     with signals_interrupt():
         work, published = WorkDir(dst), False
         try:
             _write_output(reader, cfg, work.path, shared_experts=shared_experts, max_shard_bytes=max_shard_bytes,
-                          progress=progress, report=report)
+                          progress=progress, report=report, mtp=mtp)
             sync_tree(work.path)
             crash_point("synced")
             with signals_deferred():  # an interrupt arriving now is raised once DST is the complete new output
@@ -391,17 +451,20 @@ def _io_error(e: OSError, work: Path, dst: Path) -> str:
     return f"{where}: {e.strerror or e} (the partial output was removed; {state}{hint})"
 
 
-def _output_bytes(reader, shared_experts: str) -> int:
+def _output_bytes(reader, shared_experts: str, mtp: str = "bf16") -> int:
     """About how many bytes the output's tensors take (never more than they will): experts become packed E2M1
-    (1/2 byte per element) + E8M0 scales (1/32), a quantized MTP tensor becomes BF16, the rest is copied."""
+    (1/2 byte per element) + E8M0 scales (1/32), a quantized MTP tensor becomes BF16 (``--mtp amd``: its
+    experts MXFP4, its shared expert 1 byte per element), the rest is copied."""
     total = 0
     for name, info in reader.tensors.items():
         owner = _scale_owner(reader, name)
-        if owner is not None and (_is_expert(owner, shared_experts) or owner.startswith("mtp.")):
+        if owner is not None and (_is_expert(owner, shared_experts, mtp) or owner.startswith("mtp.")):
             continue  # counted with its weight (or dropped)
         elements = info.numel * (2 if info.dtype in _PACKED_FP4 else 1)  # packed FP4 shapes count bytes
-        if _is_expert(name, shared_experts):
+        if _is_expert(name, shared_experts, mtp):
             total += elements // 2 + elements // 32
+        elif mtp == "amd" and MTP_SHARED_EXPERT.match(name):
+            total += elements
         elif name.startswith("mtp.") and info.dtype not in _FLOAT and _scale_of(reader, name):
             total += elements * 2
         else:
@@ -409,13 +472,14 @@ def _output_bytes(reader, shared_experts: str) -> int:
     return total
 
 
-def _is_expert(name: str, shared_experts: str) -> bool:
-    return bool(ROUTED_EXPERT.match(name) or (SHARED_EXPERT.match(name) and shared_experts == "mxfp4"))
+def _is_expert(name: str, shared_experts: str, mtp: str = "bf16") -> bool:
+    return bool(ROUTED_EXPERT.match(name) or (SHARED_EXPERT.match(name) and shared_experts == "mxfp4")
+                or (MTP_ROUTED_EXPERT.match(name) and mtp == "amd"))
 
 
-def _check_space(reader, dst: Path, shared_experts: str) -> None:
+def _check_space(reader, dst: Path, shared_experts: str, mtp: str = "bf16") -> None:
     """Refuse up front when DST's filesystem cannot hold the output (rather than fail after writing most of it)."""
-    need = _output_bytes(reader, shared_experts)
+    need = _output_bytes(reader, shared_experts, mtp)
     dst.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(dst.parent).free
     if free < need:
@@ -447,7 +511,7 @@ def _open_source(src: Path):
 
 
 def _write_output(reader, cfg: dict[str, Any], tmp: Path, *, shared_experts: str, max_shard_bytes: int,
-                  progress: bool, report: QuantizeReport) -> None:
+                  progress: bool, report: QuantizeReport, mtp: str = "bf16") -> None:
     """The whole converted checkpoint into TMP: tensors shard by shard, config.json with the Quark config, the
     other files of SRC; then read back (a valid checkpoint whose Quark config parses)."""
     from tqdm import tqdm
@@ -456,7 +520,7 @@ def _write_output(reader, cfg: dict[str, Any], tmp: Path, *, shared_experts: str
     from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig, mxfp4_experts_config
 
     writer = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes, always_index=reader.index_file is not None)
-    conv = _Converter(reader, writer, shared_experts, report)
+    conv = _Converter(reader, writer, shared_experts, report, mtp)
     done = 0
     with writer, tqdm(total=len(reader), unit="tensor", desc="quantize", disable=not progress,
                       file=sys.stderr) as bar:
@@ -469,7 +533,8 @@ def _write_output(reader, cfg: dict[str, Any], tmp: Path, *, shared_experts: str
                 bar.update(1)
         out_cfg = dict(cfg)
         out_cfg["quantization_config"] = mxfp4_experts_config(sorted(conv.exclude),
-                                                              layer_quant_config=conv.fp8_layers)
+                                                              layer_quant_config={**conv.fp8_layers,
+                                                                                  **conv.mtp_layers})
         if "expert_dtype" in out_cfg:
             out_cfg["expert_dtype"] = "fp4"  # the experts are now MXFP4
         writer.write_config(out_cfg)

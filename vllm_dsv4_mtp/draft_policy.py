@@ -7,6 +7,14 @@ BF16 at load by default, with one log line saying how many. ``VLLM_DSV4_MTP_QUAN
 them at start-up instead (an environment variable, read in every vLLM process: vLLM's
 ``SpeculativeConfig`` rejects unknown keys, and ``hf_overrides`` would also rewrite the target's config).
 
+What the draft computes is a second, separate switch, ``VLLM_DSV4_MTP_DRAFT_PRECISION`` (same reason for an
+environment variable): ``bf16`` (default) runs on the exactly decoded weights with unquantized activations;
+``stored`` computes the MTP layer as the checkpoint declares it (MXFP4 W4A4 experts round their GEMM inputs
+to MXFP4, FP8 block linears their inputs to FP8 per 1x128 group; BF16 modules stay BF16). The weights are the
+same exact decode either way. ``refuse`` stays a start-up policy about stored tensors; ``stored`` with
+``refuse`` is contradictory and refused. Only a draft that can compute the stored schemes accepts ``stored``
+(``check_draft(..., stored_ok=True)``: the portable draft); any other draft refuses it rather than run BF16.
+
 :func:`check_draft` runs the checks in the order that names the real cause first:
 
 1. ``num_nextn_predict_layers`` >= 1 (the checkpoint has an MTP layer at all);
@@ -35,6 +43,11 @@ REFUSE = "refuse"
 DEQUANTIZE = "dequantize"
 _OPTIONS = (DEQUANTIZE, REFUSE)
 
+DRAFT_PRECISION_ENV = "VLLM_DSV4_MTP_DRAFT_PRECISION"
+BF16 = "bf16"
+STORED = "stored"
+_PRECISIONS = (BF16, STORED)
+
 DRAFT_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -53,6 +66,16 @@ def quantized_mtp_option(environ: Mapping[str, str] | None = None) -> str:
     if value not in _OPTIONS:
         raise MtpPrecisionError(f"{QUANTIZED_MTP_ENV}={env.get(QUANTIZED_MTP_ENV)!r} is not valid; "
                                 f"expected one of {', '.join(_OPTIONS)}")
+    return value
+
+
+def draft_precision(environ: Mapping[str, str] | None = None) -> str:
+    """``bf16`` (default) or ``stored``, from ``VLLM_DSV4_MTP_DRAFT_PRECISION``."""
+    env = os.environ if environ is None else environ
+    value = env.get(DRAFT_PRECISION_ENV, "").strip().lower() or BF16
+    if value not in _PRECISIONS:
+        raise MtpPrecisionError(f"{DRAFT_PRECISION_ENV}={env.get(DRAFT_PRECISION_ENV)!r} is not valid; "
+                                f"expected one of {', '.join(_PRECISIONS)}")
     return value
 
 
@@ -113,14 +136,16 @@ def mtp_tensor_names(model: str) -> list[str] | None:
 
 @dataclass(frozen=True)
 class DraftPlan:
-    """What the draft's constructor established: the spec, the checkpoint, the dtype and what to do with quantized
-    MTP tensors (``quantized_mtp``: ``dequantize`` or ``refuse``, from ``VLLM_DSV4_MTP_QUANTIZED_MTP``)."""
+    """What the draft's constructor established: the spec, the checkpoint, the dtype, what to do with quantized
+    MTP tensors (``quantized_mtp``: ``dequantize`` or ``refuse``, from ``VLLM_DSV4_MTP_QUANTIZED_MTP``) and what
+    the draft computes (``precision``: ``bf16`` or ``stored``, from ``VLLM_DSV4_MTP_DRAFT_PRECISION``)."""
 
     spec: DeepseekV4Spec
     source: str
     dtype: torch.dtype
     quantized_mtp: str
     declared: Mapping[str, str]
+    precision: str = BF16
 
     def admit(self, name: str, t: torch.Tensor) -> None:
         """The loader's hook for every quantized MTP weight / scale: refused under ``refuse``."""
@@ -130,9 +155,10 @@ class DraftPlan:
             raise refusal(f"tensor {name}", f"stored {label}", self.source)
 
 
-def check_draft(hf_config: Any, model: str, dtype: torch.dtype, environ: Mapping[str, str] | None = None
-                ) -> DraftPlan:
-    """The draft's start-up checks, in order (module docstring); ``model`` is the checkpoint path or id."""
+def check_draft(hf_config: Any, model: str, dtype: torch.dtype, environ: Mapping[str, str] | None = None, *,
+                stored_ok: bool = False) -> DraftPlan:
+    """The draft's start-up checks, in order (module docstring); ``model`` is the checkpoint path or id;
+    ``stored_ok``: the calling draft can compute ``VLLM_DSV4_MTP_DRAFT_PRECISION=stored``."""
     spec = spec_from_hf_config(hf_config)
     source = str(model)
     if spec.num_nextn_predict_layers < 1:
@@ -149,10 +175,19 @@ def check_draft(hf_config: Any, model: str, dtype: torch.dtype, environ: Mapping
             f"{spec.num_nextn_predict_layers}). Serve it without a speculative config, or use a checkpoint that "
             "ships its MTP layer.")
     option = quantized_mtp_option(environ)
+    precision = draft_precision(environ)
+    if precision == STORED and option == REFUSE:
+        raise MtpPrecisionError(
+            f"{DRAFT_PRECISION_ENV}=stored computes the MTP layer as the checkpoint stores it, but "
+            f"{QUANTIZED_MTP_ENV}=refuse refuses a quantized MTP layer; unset one of them")
+    if precision == STORED and not stored_ok:
+        raise MtpPrecisionError(
+            f"{DRAFT_PRECISION_ENV}=stored: this MTP draft computes in BF16 only; unset it (the default, 'bf16', "
+            "decodes the stored weights exactly and keeps activations unquantized)")
     declared = declared_mtp_precisions(spec)
     if declared and option == REFUSE:
         first = sorted(declared)[0]
         more = f" (and {len(declared) - 1} more MTP modules)" if len(declared) > 1 else ""
         raise refusal(f"module {first}{more}", f"declared {declared[first]} by quantization_config",
                       f"{source}/config.json")
-    return DraftPlan(spec, source, dtype, option, declared)
+    return DraftPlan(spec, source, dtype, option, declared, precision)

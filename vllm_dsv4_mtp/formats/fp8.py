@@ -105,3 +105,28 @@ def quantize_block_fp8(w: torch.Tensor, scale_format: str = "e8m0", *,
     q = (blocks / scale_values[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
     q = q.view(blocks.shape[0] * block, blocks.shape[2] * block)[:out_f, :in_f].to(torch.float8_e4m3fn)
     return q, stored
+
+
+def fake_quant_act(x: torch.Tensor, scale_format: str = "float32", *, group: int = FP8_BLOCK) -> torch.Tensor:
+    """Dynamic per-token-group FP8 e4m3 rounding of an FP8 block linear's input, as DeepSeek's FP8 GEMMs see it.
+
+    ``x [..., K]`` -> the same shape and dtype. Each run of ``group`` (128) elements along ``K`` (the last run
+    may be shorter) gets the scale ``s = max(|x|, 1e-4) / 448`` (``"e8m0"``: rounded up to a power of two, the
+    ``scale_fmt: ue8m0`` rule), its elements ``x / s`` round to nearest-even e4m3 and come back as ``q * s``.
+    Computed in float32, cast to ``x.dtype`` once (exact for bfloat16: e4m3 times a power of two or a float32
+    scale needs at most 4 + 24 bits, and the cast rounds once).
+    """
+    if scale_format not in ("e8m0", "float32"):
+        raise ValueError(f"scale_format must be 'e8m0' or 'float32', got {scale_format!r}")
+    k = x.shape[-1]
+    xf = x.float()
+    pad = -k % group
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+    g = xf.reshape(*xf.shape[:-1], -1, group)
+    scale = g.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-4) / E4M3_MAX
+    if scale_format == "e8m0":
+        mant, exp = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), torch.where(mant == 0.5, exp - 1, exp))
+    q = (g / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float().mul_(scale)
+    return q.reshape(xf.shape)[..., :k].to(x.dtype)

@@ -29,7 +29,7 @@ class DeepseekV4DecoderLayer(nn.Module):
     Args:
         spec: the validated config; ``layer_id`` numbers main layers ``0..n-1`` and MTP layers ``n + i``,
             which fixes the compress ratio (MTP: 0, sliding window) and hash routing (first layers only).
-        rounding: the W4A4 activation rounding of this layer's experts (none for BF16 checkpoints and the draft).
+        rounding: the activation rounding of this layer's experts (none for BF16 checkpoints and the bf16 draft).
     """
 
     def __init__(self, vllm_config: VllmConfig, spec: DeepseekV4Spec, layer_id: int, *, prefix: str,
@@ -39,7 +39,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.attn = DeepseekV4Attention(vllm_config, spec, compress_ratio=spec.compress_ratio(layer_id),
                                         prefix=f"{prefix}.attn")
         self.ffn = DeepseekV4MoE(spec, layer_id, prefix=f"{prefix}.ffn", routed_w4a4=rounding.routed,
-                                 shared_w4a4=rounding.shared,
+                                 shared_w4a4=rounding.shared, shared_fp8=rounding.shared_fp8,
                                  expert_parallel=vllm_config.parallel_config.enable_expert_parallel)
         self.attn_norm = RMSNorm(d, eps=eps)
         self.ffn_norm = RMSNorm(d, eps=eps)

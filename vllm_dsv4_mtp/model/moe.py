@@ -14,6 +14,8 @@ the output is ``sum_k w_k expert_k(x) + shared(x)``. The routed-expert GEMMs are
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,10 +76,12 @@ class SharedExpert(nn.Module):
 
     ``activation_quant``: the AMD export stores the main layers' shared experts MXFP4 under the W4A4 scheme;
     their weights are decoded at load and each GEMM's input is rounded to MXFP4, as for the routed experts.
+    ``fp8_round``: instead, each GEMM's input rounded as an FP8 block linear's (dynamic 1x128 e4m3,
+    ``formats.fp8.fake_quant_act``): the MTP layer's FP8 shared expert computed as stored.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float, prefix: str,
-                 activation_quant: bool = False):
+                 activation_quant: bool = False, fp8_round: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, bias=False, quant_config=LINEARS, prefix=f"{prefix}.gate_up_proj",
@@ -89,7 +93,10 @@ class SharedExpert(nn.Module):
             prefix=f"{prefix}.down_proj", return_bias=False,
         ))
         self.swiglu_limit = swiglu_limit
+        if activation_quant and fp8_round is not None:
+            raise ValueError("a shared expert is MXFP4 W4A4 or FP8 block, not both")
         self.activation_quant = activation_quant
+        self.fp8_round = fp8_round
         self.local_intermediate = intermediate_size // get_tensor_model_parallel_world_size()
         self._down_wide: Linear | None = None  # float32 models: down_proj in float64, set by pack()
 
@@ -103,6 +110,8 @@ class SharedExpert(nn.Module):
         return self.down_proj if self._down_wide is None else self._down_wide
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_round is not None:
+            return self.fp8_round(x)
         return round_to_mxfp4(x) if self.activation_quant else x
 
     def forward(self, x: torch.Tensor, x_rounded: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,11 +127,13 @@ class DeepseekV4MoE(nn.Module):
     Args:
         layer_id: the layer in the config's numbering (MTP layers: ``num_hidden_layers + i``).
         routed_w4a4, shared_w4a4: round the experts' GEMM inputs to MXFP4 (a Quark W4A4 checkpoint).
+        shared_fp8: round the shared expert's GEMM inputs as an FP8 block linear's (:class:`SharedExpert`).
         expert_parallel: whole experts per rank instead of a slice of every expert.
     """
 
     def __init__(self, spec: DeepseekV4Spec, layer_id: int, *, prefix: str, routed_w4a4: bool = False,
-                 shared_w4a4: bool = False, expert_parallel: bool = False):
+                 shared_w4a4: bool = False, shared_fp8: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 expert_parallel: bool = False):
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
         self.gate = Router(
@@ -131,7 +142,8 @@ class DeepseekV4MoE(nn.Module):
             routed_scaling_factor=spec.routed_scaling_factor, renormalize=spec.norm_topk_prob,
         )
         self.shared_experts = SharedExpert(spec.hidden_size, spec.shared_intermediate_size, spec.swiglu_limit,
-                                           prefix=f"{prefix}.shared_experts", activation_quant=shared_w4a4)
+                                           prefix=f"{prefix}.shared_experts", activation_quant=shared_w4a4,
+                                           fp8_round=shared_fp8)
         self.experts = PortableExperts(
             spec.n_routed_experts, spec.hidden_size, spec.moe_intermediate_size, spec.swiglu_limit,
             tp_rank=get_tensor_model_parallel_rank(), tp_size=tp_size, expert_parallel=expert_parallel,
@@ -144,7 +156,7 @@ class DeepseekV4MoE(nn.Module):
     def _shared_joins(self) -> bool:
         """Whether the shared expert runs in the routed experts' pass: the same SwiGLU, rounding and width."""
         se, ex = self.shared_experts, self.experts
-        return (se.activation_quant, se.local_intermediate, se.swiglu_limit) == (
+        return se.fp8_round is None and (se.activation_quant, se.local_intermediate, se.swiglu_limit) == (
             ex.activation_quant, ex.local_intermediate, ex.swiglu_limit)
 
     def _packs_shared(self) -> bool:

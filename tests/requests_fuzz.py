@@ -39,32 +39,34 @@ def greedy_tokens(base_url: str, prompt: list[int], n: int = 8) -> list[int]:
 
 
 def fuzz_cases(seed: int, count: int, prompt_lens: tuple[int, ...], vocab: int = 512) -> list[dict]:
-    """``count`` request bodies: random mixes of the sampling parameters, some values out of range on purpose
-    (those must be 4xx), prompts (token ids) of the given lengths, streamed or not."""
+    """``count`` request bodies: random mixes of the sampling parameters, prompts (token ids) of the given
+    lengths, streamed or not. About one value in twenty is out of range on purpose (those must be 4xx)."""
     rng = random.Random(seed)
 
-    def maybe(p, value):
-        return value() if rng.random() < p else None
+    def pick(p, valid, invalid=()):
+        """None (parameter left out) with probability 1 - p, else a valid value, rarely an invalid one."""
+        if rng.random() >= p:
+            return None
+        return rng.choice(invalid) if invalid and rng.random() < 0.05 else rng.choice(valid)
 
     cases = []
     for _ in range(count):
-        n_prompt = rng.choice(prompt_lens)
         body = {
             "model": MODEL,
-            "prompt": [rng.randrange(2, vocab) for _ in range(n_prompt)],
-            "max_tokens": rng.choice([1, 2, 5, 8]),
-            "temperature": rng.choice([0.0, 0.0, 0.3, 0.8, 1.0, 1.5, -0.5]),
-            "top_k": maybe(0.5, lambda: rng.choice([-1, 0, 1, 2, 5, 50, 10_000, -7])),
-            "top_p": maybe(0.4, lambda: rng.choice([1.0, 0.95, 0.5, 0.01, 0.0, 1.2])),
-            "min_p": maybe(0.2, lambda: rng.choice([0.0, 0.05, 0.5, 1.0, 2.0])),
-            "seed": maybe(0.4, lambda: rng.randrange(0, 2**31)),
-            "n": maybe(0.2, lambda: rng.choice([1, 2, 3])),
-            "logprobs": maybe(0.2, lambda: rng.choice([0, 1, 5, 100])),
-            "prompt_logprobs": maybe(0.15, lambda: rng.choice([0, 1, 3])),
-            "stop": maybe(0.2, lambda: rng.choice([["\n"], ["a", "b"], "x"])),
-            "frequency_penalty": maybe(0.2, lambda: rng.choice([0.0, 0.5, 2.0, 3.0])),
-            "presence_penalty": maybe(0.2, lambda: rng.choice([0.0, -1.0, 1.5])),
-            "repetition_penalty": maybe(0.2, lambda: rng.choice([1.0, 1.3, 0.0])),
+            "prompt": [rng.randrange(2, vocab) for _ in range(rng.choice(prompt_lens))],
+            "max_tokens": rng.choice([1, 2, 5, 8, 16]),
+            "temperature": pick(0.9, [0.0, 0.0, 0.3, 0.8, 1.0, 1.5], [-0.5]),
+            "top_k": pick(0.5, [-1, 0, 1, 2, 5, 50, 10_000], [-7]),
+            "top_p": pick(0.4, [1.0, 0.95, 0.5, 0.01], [0.0, 1.2]),
+            "min_p": pick(0.2, [0.0, 0.05, 0.5, 1.0], [2.0]),
+            "seed": pick(0.4, [0, 1, 12345, 2**31 - 1]),
+            "n": pick(0.2, [1, 2, 3]),
+            "logprobs": pick(0.2, [0, 1, 5], [100]),
+            "prompt_logprobs": pick(0.15, [0, 1, 3], [-2]),
+            "stop": pick(0.2, [["\n"], ["a", "b"], "x"]),
+            "frequency_penalty": pick(0.2, [0.0, 0.5, 2.0], [3.0]),
+            "presence_penalty": pick(0.2, [0.0, -1.0, 1.5], [-3.0]),
+            "repetition_penalty": pick(0.2, [1.0, 1.3, 0.8], [0.0]),
             "stream": rng.random() < 0.3,
             "ignore_eos": rng.random() < 0.5,
         }

@@ -83,3 +83,21 @@ def test_unschedulable_budget_is_refused_at_start_up(embedded_mxfp4, tmp_path, s
                                                       "--enable-chunked-prefill", "--env", "VLLM_MLA_DISABLE=0"])
     assert "could never be scheduled" in log and "--max-num-batched-tokens" in log and "--max-model-len" in log, \
         log[-3000:]
+
+
+def test_missing_tokenizer_is_named_at_start_up(embedded_mxfp4, tmp_path, server):
+    """Issue 38 item 5: the server died with transformers' "Couldn't instantiate the backend tokenizer ... install
+    sentencepiece". The profile's --config-format dsv4_mtp parser now names the folder and the files, in the words
+    of ``dsv4-mtp inspect`` (vLLM loads the tokenizer in the API server before any model code runs)."""
+    import shutil
+
+    from vllm_dsv4_mtp.formats.checkpoint import tokenizer_problems
+
+    server.stop()
+    d = tmp_path / "no-tokenizer"
+    shutil.copytree(embedded_mxfp4, d, ignore=shutil.ignore_patterns("tokenizer*"))
+    want = tokenizer_problems(d)
+    assert len(want) == 1 and "no tokenizer: expected tokenizer.json" in want[0]
+    log = _failed_start(d, tmp_path, None, [])
+    assert f"StartupCheckError: {want[0]}" in log, log[-3000:]
+    assert "Couldn't instantiate the backend tokenizer" not in log

@@ -50,6 +50,29 @@ def check_config(model: str | Path, config: dict, *, mtp_draft: bool) -> None:
             f"speculative_config method 'mtp'; serve it without a speculative config")
 
 
+def _own_tokenizer_wanted(argv: list[str] | None = None) -> bool:
+    """Will vLLM load the checkpoint's own tokenizer? Not with ``--tokenizer DIR`` or ``--skip-tokenizer-init`` on
+    the server's command line (a config parser is not told vLLM's tokenizer arguments; ``LLM(tokenizer=...)``
+    with this config format is not seen, see docs/bad-inputs.md)."""
+    import sys
+
+    args = sys.argv if argv is None else argv
+    return not any(a.split("=", 1)[0].replace("_", "-") in ("--tokenizer", "--skip-tokenizer-init") for a in args)
+
+
+def check_tokenizer(model: str | Path) -> None:
+    """The checkpoint folder's tokenizer files, as ``dsv4-mtp inspect`` checks them (same messages). vLLM loads the
+    tokenizer in the API server before the engine (and any model code) starts, so this is the plugin's one chance
+    to name the folder and the files before transformers' ``Couldn't instantiate the backend tokenizer``."""
+    from vllm_dsv4_mtp.formats.checkpoint import tokenizer_problems
+
+    if not _own_tokenizer_wanted():
+        return
+    problems = tokenizer_problems(model)
+    if problems:
+        raise StartupCheckError("; ".join(problems))
+
+
 def _is_mtp_draft(config, hf_overrides) -> bool:
     """Is vLLM parsing this config for the MTP draft? Its ``hf_overrides`` then turn a DeepSeek-V4 config into
     the draft architecture (applied here to a copy, as vLLM's own parser probes them)."""
@@ -83,6 +106,7 @@ def register_config_format() -> None:
             if config_dict.get("model_type") == "deepseek_v4":
                 raw = {**config_dict, **overrides} if isinstance(overrides, dict) else config_dict
                 check_config(model, raw, mtp_draft=_is_mtp_draft(config, overrides))
+                check_tokenizer(model)
             return config_dict, config
 
 

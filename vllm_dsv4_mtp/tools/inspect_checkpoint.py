@@ -37,7 +37,7 @@ from vllm_dsv4_mtp.config import (
     packed_fp4_shape,
     weight_slots,
 )
-from vllm_dsv4_mtp.formats.checkpoint import CheckpointError, CheckpointReader
+from vllm_dsv4_mtp.formats.checkpoint import CheckpointError, CheckpointReader, tokenizer_problems
 from vllm_dsv4_mtp.tools.inspect_report import KIND_LABELS, InspectReport, KindSummary, Problem
 
 __all__ = ["Problem", "KindSummary", "InspectReport", "inspect_checkpoint", "KIND_LABELS"]
@@ -350,6 +350,8 @@ def inspect_checkpoint(path: str | Path, *, allow_quantized_mtp: bool | None = N
 
         allow_quantized_mtp = quantized_mtp_option() != REFUSE
     report = InspectReport(path=str(path), for_mtp=mtp)
+    for message in tokenizer_problems(path):  # the engine's config parser says the same (startup_checks.py)
+        report.problems.append(Problem("error", "tokenizer", None, message))
     try:
         reader = CheckpointReader(path)
     except CheckpointError as e:

@@ -260,6 +260,7 @@ class _Inspector:
             return
         found = sorted(set(quantized.values()))
         rep.quantization = "quark" + (f" ({', '.join(found)} stored)" if found else "")
+        excluded_mtp: list[str] = []
         for name, slot in slots.items():
             if name not in self.r or not (name.endswith(".weight") and len(slot.shape) == 2):
                 continue
@@ -273,9 +274,22 @@ class _Inspector:
                 if str(e) not in rep.messages():
                     self.problem("quant-config", name, str(e))
                 continue
-            message = _quark_mismatch(name, module, self.stored_precision.get(name, "bf16"), excluded, wanted)
+            stored = self.stored_precision.get(name, "bf16")
+            if excluded and name.startswith("mtp.") and stored == "mxfp4" and self.allow_quantized_mtp:
+                excluded_mtp.append(name)  # see below: the draft reads the format from the tensors
+                continue
+            message = _quark_mismatch(name, module, stored, excluded, wanted)
             if message:
                 self.problem("quant-config", name, message)
+        if excluded_mtp:
+            # the engine serves this: the plugin's draft never asks quantization_config about the MTP layer; it
+            # takes the format from the stored weight and its scale and decodes it exactly to BF16
+            self.problem("quant-config", None,
+                         f"{len(excluded_mtp)} MTP tensor(s) stored mxfp4 although quantization_config excludes "
+                         f"them (e.g. '{excluded_mtp[0]}'): the plugin's BF16 MTP draft takes the format from the "
+                         f"stored tensors, not from quantization_config, and decodes them exactly to BF16, so the "
+                         f"engine serves it; vLLM's own quantized MTP (a stored-precision draft) would read them "
+                         f"as unquantized", "warning")
 
     def unexpected_reason(self, name: str) -> str:
         spec = self.spec

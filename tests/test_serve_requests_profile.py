@@ -65,9 +65,9 @@ def _failed_start(embedded_mxfp4, tmp_path, mtp_k, extra_args) -> str:
     from vllm_dsv4_mtp.evaluate.server import ManagedServer, ServerSpec, ServerStartError
 
     spec = ServerSpec(model=str(embedded_mxfp4), mtp_k=mtp_k, extra_args=extra_args)
-    with pytest.raises(ServerStartError):
-        with ManagedServer(spec, log_path=tmp_path / "server.log", start_timeout_s=300, quiet=True):
-            pass
+    with pytest.raises(ServerStartError), ManagedServer(spec, log_path=tmp_path / "server.log",
+                                                        start_timeout_s=300, quiet=True):
+        pass
     return (tmp_path / "server.log").read_text()
 
 

@@ -117,7 +117,8 @@ def check_step_budget(vllm_config) -> None:
     ``--max-model-len`` when chunked prefill is off on the command line, but on CPU its platform turns chunked
     prefill off later for ``model_type: deepseek_v4`` (vLLM sees MLA; ``VLLM_MLA_DISABLE=1`` keeps it on), after
     that check: it raises ``max_num_batched_tokens`` but, with speculative decoding, the scheduler's own
-    ``max_num_scheduled_tokens`` keeps the value given, and a longer prompt then waits forever with no error. The portable target calls this while the engine starts, so the flags are named before any request.
+    ``max_num_scheduled_tokens`` keeps the value given, and a longer prompt then waits forever with no error.
+    The portable target calls this while the engine starts, so the flags are named before any request.
     """
     sched = vllm_config.scheduler_config
     if sched.enable_chunked_prefill:

@@ -122,3 +122,19 @@ def test_middleware_ends_an_open_stream_once_the_engine_stops():
     client.errored = False
     sent = asyncio.run(run(quick, 10))
     assert [m.get("body") for m in sent] == [None, b"ok"]  # a request that ends by itself is untouched
+
+
+def test_guard_is_a_logits_processor_for_both_model_runners():
+    """vLLM refuses an entry-point processor that is not a subclass of the serving runner's interface (V2 says so
+    in 0.33/0.34: "V1-interface plugins are not supported by the V2 model runner"); the guard is both, and as a
+    processor it changes nothing."""
+    from vllm.v1.sample.logits_processor import LogitsProcessor as V1
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2
+
+    from vllm_dsv4_mtp.workarounds.cpu_requests import RequestGuard
+
+    assert issubclass(RequestGuard, V1) and issubclass(RequestGuard, V2)
+    logits = torch.randn(3, 7)
+    for guard in (RequestGuard(None, torch.device("cpu"), False), RequestGuard(None, None)):
+        assert guard.apply(logits) is logits and guard.apply(logits, None) is logits
+        assert guard.is_argmax_invariant() and guard.add_request(0, SamplingParams()) is False

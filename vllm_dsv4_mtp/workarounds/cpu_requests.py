@@ -45,7 +45,24 @@ from dataclasses import dataclass
 
 import numpy as np
 from vllm.v1.metrics.loggers import StatLoggerBase
-from vllm.v1.sample.logits_processor import LogitsProcessor
+
+
+def _logits_processor_bases() -> tuple[type, ...]:
+    """vLLM's logits-processor interfaces present in this vLLM: Model Runner V1's (0.32, 0.33) and V2's (0.33 with
+    the V2 runner, 0.34, which removed V1's). vLLM loads an entry-point processor with whichever runner serves and
+    refuses one that is not a subclass of that runner's interface, so the guard subclasses every one present."""
+    bases = []
+    try:
+        from vllm.v1.sample.logits_processor import LogitsProcessor as V1
+        bases.append(V1)
+    except ImportError:
+        pass
+    try:
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2
+        bases.append(V2)
+    except ImportError:
+        pass
+    return tuple(bases) or (object,)
 
 #: the largest float32 below 1: ``top_p`` that routes top-k through vLLM's sorting path (see the module docstring)
 TOP_P_BELOW_ONE = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
@@ -132,17 +149,20 @@ def guard_params(params, mode: ServingMode | None) -> None:
         params.top_p = TOP_P_BELOW_ONE
 
 
-class RequestGuard(LogitsProcessor):
+class RequestGuard(*_logits_processor_bases()):
     """vLLM's logits-processor plugin interface, used only for its per-request ``validate_params`` hook.
 
-    When vLLM builds it in an engine (no speculative decoding) it changes no logits: argmax-invariant, ``apply``
-    returns its input. It must stay that cheap: the entry point makes vLLM build it for every model it serves."""
+    When vLLM builds it in an engine (V1: no speculative decoding; V2: always) it changes no logits: V1 sees an
+    argmax-invariant processor, V2 one that takes no request (``add_request`` False); ``apply`` returns its input.
+    It must stay that cheap: the entry point makes vLLM build it for every model it serves. The constructor and
+    ``apply`` accept both interfaces' arguments (V1: ``vllm_config, device, is_pin_memory`` / ``logits``; V2:
+    ``vllm_config, req_states`` / ``logits, ctx``)."""
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
         guard_params(sampling_params, _mode)
 
-    def __init__(self, vllm_config, device, is_pin_memory: bool) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         pass
 
     def is_argmax_invariant(self) -> bool:
@@ -151,5 +171,8 @@ class RequestGuard(LogitsProcessor):
     def update_state(self, batch_update) -> None:
         pass
 
-    def apply(self, logits):
+    def add_request(self, req_idx: int, sampling_params) -> bool:
+        return False
+
+    def apply(self, logits, ctx=None):
         return logits

@@ -229,4 +229,5 @@ def test_tensor_listed_twice_in_the_index_is_named_by_inspect_and_engine(tmp_pat
         validate_shard_headers(tmp_path)
     assert str(e.value) == want
     report = inspect_checkpoint(tmp_path)
-    assert [p.message for p in report.problems if p.severity == "error"] == [want]
+    # (this test's checkpoint has no tokenizer files: inspect names that too, as a separate problem)
+    assert [p.message for p in report.problems if p.severity == "error" and p.code != "tokenizer"] == [want]

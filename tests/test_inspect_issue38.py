@@ -1,12 +1,23 @@
 """``dsv4-mtp inspect`` on the checkpoint faults of issue 38: a missing or broken tokenizer, and an MTP layer stored
-MXFP4 under a Quark ``exclude`` (test_inspect.py's fixtures and helpers; a separate file to keep each under 500
-lines)."""
+MXFP4 under a Quark ``exclude`` (test_inspect.py's helpers; a separate file to keep each under 500 lines)."""
 
 from __future__ import annotations
 
-from test_inspect import _problems, _rewrite, bf16, mxfp4  # noqa: F401 (bf16, mxfp4: pytest fixtures)
+import pytest
+from test_inspect import _problems, _rewrite
 
 from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
+from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("bf16") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("mxfp4") / "ckpt", experts="mxfp4")
 
 
 def test_missing_or_broken_tokenizer_is_named(capsys, bf16, tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from vllm import envs
+from vllm._aiter_ops import rocm_aiter_ops
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.models.deepseek_v4.amd.mtp import DeepSeekV4MTP
@@ -21,6 +21,7 @@ from vllm_dsv4_mtp.gfx950.plan import (
     bf16_draft_config,
     draft_view_changes,
     in_tree_param_map,
+    refuse_draft_kernels,
     shared_with_target,
 )
 from vllm_dsv4_mtp.weights.loader import DRAFT, CheckpointLoader
@@ -34,7 +35,9 @@ class DeepSeekV4MTPModel(DeepSeekV4MTP):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         mc = vllm_config.model_config
         plan = draft_policy.check_draft(mc.hf_config, mc.model, mc.dtype)
-        changes = draft_view_changes(vllm_config, fse_requested=envs.VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS)
+        refuse_draft_kernels(vllm_config)
+        changes = draft_view_changes(vllm_config, fse_requested=bool(
+            rocm_aiter_ops.is_fusion_moe_shared_experts_enabled()))
         for change in changes:
             logger.info(change.message())
         super().__init__(vllm_config=bf16_draft_config(vllm_config, changes), prefix=prefix)

@@ -83,13 +83,25 @@ class DraftViewChange:
 FP4_ONLY_MOE_BACKENDS = ("aiter_mega_moe",)
 
 
+def refuse_draft_kernels(vllm_config: Any) -> None:
+    """Raise ``ValueError`` for a target MoE backend the BF16 draft cannot run on.
+
+    Refused, not dropped: vLLM's MoE layers read ``moe_backend`` from the current (engine-wide) config, not from
+    the config handed to the draft, so only vLLM's own draft override (``speculative_config.moe_backend``, which
+    vLLM applies to the draft's config) can give the draft another backend.
+    """
+    backend = getattr(vllm_config.kernel_config, "moe_backend", None)
+    if backend in FP4_ONLY_MOE_BACKENDS:
+        raise ValueError(f"the BF16 MTP draft cannot run on --moe-backend {backend} (FP4 experts only); give the "
+                         "draft another backend with speculative_config 'moe_backend'")
+
+
 def draft_view_changes(vllm_config: Any, *, fse_requested: bool) -> list[DraftViewChange]:
-    """The kernel settings of ``vllm_config`` the BF16 draft must not inherit.
+    """The settings of ``vllm_config`` the BF16 draft must not inherit (``moe_backend``: :func:`refuse_draft_kernels`).
 
     * ``kernel_config.monokernel`` (vLLM 0.33+ ``--monokernel``): ``MonoDecodeLayer.create`` checks its eligibility
       (an ``AITER_MXFP4_BF16`` expert backend) before it skips draft layers, so a BF16 draft would raise
       ``ValueError: --monokernel needs the AITER_MXFP4_BF16 MoE backend``; the mono kernel never runs draft layers;
-    * ``kernel_config.moe_backend`` ``aiter_mega_moe``: FP4 experts only; the draft takes vLLM's default choice;
     * ``fse_requested`` (``VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS``): not a config field, it is declined by
       :class:`Bf16DraftQuantConfig`; listed so the log says so.
     """
@@ -98,10 +110,6 @@ def draft_view_changes(vllm_config: Any, *, fse_requested: bool) -> list[DraftVi
     if getattr(kc, "monokernel", False):
         changes.append(DraftViewChange("kernel_config.monokernel", True, False,
                                        "the mono decode kernel takes MXFP4 experts and never runs draft layers"))
-    backend = getattr(kc, "moe_backend", None)
-    if backend in FP4_ONLY_MOE_BACKENDS:
-        changes.append(DraftViewChange("kernel_config.moe_backend", backend, "auto",
-                                       f"{backend} runs FP4 experts only"))
     if fse_requested:
         changes.append(DraftViewChange("fused shared expert", True, False,
                                        "vLLM's MTP draft does not take a fused shared expert (0.34 refuses it); the "
@@ -144,4 +152,4 @@ def shared_with_target(spec: DeepseekV4Spec) -> list[str]:
 
 
 __all__ = ["Bf16DraftQuantConfig", "DraftViewChange", "ParamRef", "bf16_draft_config", "draft_view_changes",
-           "in_tree_param_map", "shared_with_target"]
+           "in_tree_param_map", "refuse_draft_kernels", "shared_with_target"]

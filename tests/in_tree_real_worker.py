@@ -67,6 +67,8 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
         if lines not in draft_logger.handlers:
             draft_logger.addHandler(lines)
         with set_current_vllm_config(vc), set_default_torch_dtype(torch.bfloat16):
+            if case.get("control"):
+                return control(case, vc, result)
             model = DeepSeekV4MTPModel(vllm_config=vc, prefix="")
             if case.get("load"):
                 reader = CheckpointReader(case["ckpt"])
@@ -91,6 +93,25 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
         for k in case.get("env", {}):
             os.environ.pop(k, None)
     result["logs"] = [m for m in lines.lines if m.startswith("vllm-dsv4-mtp")]
+    return result
+
+
+def control(case: dict, vc, result: dict) -> dict:
+    """vLLM's own ``DeepSeekV4MTP`` (not the plugin's subclass) from the engine config with only
+    ``quant_config = None`` (what an unquantized draft gets without the plugin's view): what the plugin's view
+    exists to avoid. Records vLLM's error, or whether the draft's MoE fused its shared expert."""
+    import copy
+
+    from vllm.models.deepseek_v4.amd.mtp import DeepSeekV4MTP
+
+    view = copy.copy(vc)
+    view.quant_config = None
+    try:
+        model = DeepSeekV4MTP(vllm_config=view, prefix="")
+        result["fused_shared_expert"] = next(iter(model.model.layers.values())).mtp_block.ffn.\
+            is_fused_shared_expert_enabled
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
     return result
 
 

@@ -68,6 +68,14 @@ def _aiter_fse_requested() -> bool:
     return _aiter_fused_moe_enabled() and _switch("VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS")
 
 
+def _aiter_shared_expert_routing_table(*args, **kwargs) -> None:
+    """``init_aiter_topK_meta_data``: a fused shared expert makes vLLM allocate AITER's routing table (the shared
+    expert's slot appended to every token's top-k) with ``device="cuda"``, which CPU torch refuses. The harness
+    builds fused MoEs only to show what vLLM does with them (the plugin's draft never fuses) and never runs AITER's
+    fused kernel that reads the table, so nothing is allocated."""
+    return None
+
+
 def install() -> None:
     """The import-time stand-ins: ROCm arch detection, CUDA events and streams, AITER's MoE switches."""
     torch.cuda.get_device_properties = _gfx950_device_properties
@@ -77,6 +85,9 @@ def install() -> None:
 
     rocm_aiter_ops.is_fusion_moe_shared_experts_enabled = staticmethod(_aiter_fse_requested)
     rocm_aiter_ops.is_fused_moe_enabled = staticmethod(_aiter_fused_moe_enabled)
+    import vllm.model_executor.layers.fused_moe.expert_map_manager as expert_map_manager
+
+    expert_map_manager.init_aiter_topK_meta_data = _aiter_shared_expert_routing_table
 
 
 @contextlib.contextmanager

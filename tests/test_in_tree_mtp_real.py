@@ -56,12 +56,21 @@ def run_worker(version: str, out: Path, cases: list[dict], timeout: int = 1200) 
     assert (out / "version.txt").read_text().startswith(version.rsplit(".", 1)[0])
 
 
+#: the tiny config with heads, output groups and expert width that split 8 ways (``--monokernel`` is TP 8 only)
+TP8_DIMS = dict(num_attention_heads=8, o_groups=8, moe_intermediate_size=256)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Each layout at the tiny dimensions (``layout``) and at :data:`TP8_DIMS` (``layout-tp8``), one seed."""
     from vllm_dsv4_mtp.testing.published_layouts import build_published
+    from vllm_dsv4_mtp.tools.tiny import tiny_config
 
     root = tmp_path_factory.mktemp("published")
-    return {layout: build_published(root / layout, layout, seed=3) for layout in LAYOUTS}
+    out = {layout: build_published(root / layout, layout, seed=3) for layout in LAYOUTS}
+    out.update({f"{layout}-tp8": build_published(root / f"{layout}-tp8", layout, seed=4, config=tiny_config(**TP8_DIMS))
+                for layout in LAYOUTS})
+    return out
 
 
 def load_cases(version: str, checkpoints: dict[str, Path]) -> list[dict]:
@@ -71,10 +80,15 @@ def load_cases(version: str, checkpoints: dict[str, Path]) -> list[dict]:
             for fse in (False, True):
                 cases.append(dict(name=f"{layout}-tp{tp}-fse{int(fse)}", ckpt=str(checkpoints[layout]), tp=tp,
                                   load=True, env=FSE_ON if fse else {}, engine={"tensor_parallel_size": tp}))
-        if version != "0.32.0":  # --monokernel exists from 0.33
-            cases.append(dict(name=f"{layout}-tp2-mono", ckpt=str(checkpoints[layout]), tp=2, load=True,
-                              env=FSE_ON, engine={"tensor_parallel_size": 2, "monokernel": True}))
+        if version != "0.32.0":  # --monokernel exists from 0.33; DeepSeek-V4-Pro at TP 8 on MI355X
+            cases.append(dict(name=f"{layout}-tp8-mono", ckpt=str(checkpoints[f"{layout}-tp8"]), tp=8, load=True,
+                              env=FSE_ON, engine={"tensor_parallel_size": 8, "monokernel": True}))
     official = str(checkpoints["official"])
+    # vLLM's own class with quant_config None: what the plugin's view avoids
+    cases.append(dict(name="control-fse", ckpt=official, tp=1, env=FSE_ON, control=True))
+    if version != "0.32.0":
+        cases.append(dict(name="control-mono", ckpt=str(checkpoints["official-tp8"]), tp=8, env=FSE_ON,
+                          control=True, engine={"tensor_parallel_size": 8, "monokernel": True}))
     for name, engine in (("moe-aiter", {"moe_backend": "aiter"}), ("kv-fp8", {"kv_cache_dtype": "fp8"}),
                          ("mega-moe", {"moe_backend": "aiter_mega_moe"})):
         cases.append(dict(name=name, ckpt=official, tp=1, env=FSE_ON, engine=engine))
@@ -167,12 +181,12 @@ def _ok(results, name, world):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_parameter_is_the_exact_decode_at_tp1_and_tp2(real, checkpoints, layout):
     version, out, cases, results = real
-    native = decoded_mtp(checkpoints[layout])
-    spec = DeepseekV4Spec.from_dir(checkpoints[layout])
-    shared = {"model.embed_tokens.weight", f"model.layers.{spec.num_hidden_layers}.shared_head.head.weight"}
     mine = [c for c in cases if c["name"].startswith(layout + "-tp")]
     assert len(mine) == (4 if version == "0.32.0" else 5)
     for c in mine:
+        native = decoded_mtp(Path(c["ckpt"]))
+        spec = DeepseekV4Spec.from_dir(c["ckpt"])
+        shared = {"model.embed_tokens.weight", f"model.layers.{spec.num_hidden_layers}.shared_head.head.weight"}
         _ok(results, c["name"], c["tp"])
         for r in range(c["tp"]):
             got = torch.load(out / f"{c['name']}-rank{r}.pt")
@@ -187,7 +201,7 @@ def test_every_parameter_is_the_exact_decode_at_tp1_and_tp2(real, checkpoints, l
 def test_every_module_is_unquantized_and_the_shared_expert_never_fused(real):
     version, out, cases, results = real
     for c in cases:
-        if c["name"] == "mega-moe":
+        if c["name"] == "mega-moe" or c.get("control"):
             continue
         for res in _ok(results, c["name"], c["tp"]):
             assert res["fused_shared_expert"] is False, (version, c["name"])
@@ -212,9 +226,9 @@ def test_each_declined_target_setting_is_one_log_line(real):
     assert lines("official-tp1-fse0", "runs with") == []  # nothing declined: nothing said
     if version != "0.32.0":
         for layout in LAYOUTS:
-            res = _ok(results, f"{layout}-tp2-mono", 2)[0]
+            res = _ok(results, f"{layout}-tp8-mono", 8)[0]
             assert res["kernel"]["target_monokernel"] is True and res["kernel"]["draft_mono"] is False
-            assert len(lines(f"{layout}-tp2-mono", "kernel_config.monokernel=False")) == 1
+            assert len(lines(f"{layout}-tp8-mono", "kernel_config.monokernel=False")) == 1
 
 
 def test_aiter_moe_backend_and_fp8_kv_cache_construct_and_mega_moe_is_refused(real):
@@ -225,6 +239,21 @@ def test_aiter_moe_backend_and_fp8_kv_cache_construct_and_mega_moe_is_refused(re
     aiter = _ok(results, "moe-aiter", 1)[0]
     assert aiter["kernel"]["target_moe_backend"] == "aiter"
     assert _ok(results, "kv-fp8", 1)[0]["logs"]
+
+
+def test_without_the_plugins_view_vllm_fuses_or_refuses(real):
+    """The controls: vLLM's own class, built with ``quant_config = None`` and the target's kernel settings,
+    under the MI355 profile's switches. What the plugin's view is for, and proof the checks above can fail."""
+    version, out, cases, results = real
+    fse = results[("control-fse", 0)]
+    if version == "0.34.0":
+        assert fse["error"] == ("NotImplementedError: DeepSeek-V4 MTP fused shared experts are not supported yet; "
+                                "please open an issue.")
+    else:  # 0.32 / 0.33 fuse it: the shared expert becomes routed expert n_routed_experts
+        assert fse["error"] is None and fse["fused_shared_expert"] is True
+    if version != "0.32.0":
+        assert results[("control-mono", 0)]["error"] == (
+            "ValueError: --monokernel needs the AITER_MXFP4_BF16 MoE backend, not None.")
 
 
 @pytest.mark.parametrize("version", ["0.34.0", "0.34.1", "0.34.0rc1", "0.34.1+rocm711", "0.33.0", "0.32.5"])

@@ -66,15 +66,21 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
         draft_logger = logging.getLogger("vllm.dsv4_mtp.gfx950")
         if lines not in draft_logger.handlers:
             draft_logger.addHandler(lines)
-        with set_current_vllm_config(vc), set_default_torch_dtype(torch.bfloat16):
+        with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype):
             if case.get("control"):
                 return control(case, vc, result)
             model = DeepSeekV4MTPModel(vllm_config=vc, prefix="")
             if case.get("load"):
                 reader = CheckpointReader(case["ckpt"])
                 model.load_weights((n, reader.get(n)) for n in reader.tensors)
-                torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
-                           out / f"{case['name']}-rank{rank}.pt")
+                if not case.get("forward"):
+                    torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
+                               out / f"{case['name']}-rank{rank}.pt")
+
+        if case.get("forward"):  # outside the bf16 default dtype: the reference is float32
+            from in_tree_forward import run_forward
+
+            result["forward"] = run_forward(case, out, rank, model, vc)
         result["fused_shared_expert"] = model.fused_shared_expert
         result["methods"] = {n: type(m.quant_method).__name__ for n, m in model.named_modules()
                              if getattr(m, "quant_method", None) is not None}
@@ -130,10 +136,6 @@ def rank_main(rank: int, world: int, rendezvous: str, out: Path, cases: list[dic
         initialize_model_parallel(world, 1)
     for case in cases:
         result = run_case(case, rank, out, lines)
-        if case.get("forward") and result["error"] is None:
-            from in_tree_forward import run_forward
-
-            result["forward"] = run_forward(case, out, rank)
         (out / f"{case['name']}-rank{rank}.json").write_text(json.dumps(result))
 
 

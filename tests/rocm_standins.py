@@ -104,3 +104,106 @@ def x86_config_check_without_triton_cpu():
         yield
     finally:
         tu.HAS_TRITON = had
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Forward stand-ins: ROCm-only kernels replaced by reference maths reading the same parameters (float32 inside,
+# the kernel's output dtype outside). Installed on the one process that runs the forward (:func:`install_forward`).
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm from its definition: ``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def fused_mtp_input_rmsnorm(inputs_embeds, positions, previous_hidden_states, enorm_weight, hnorm_weight, eps,
+                            hc_mult):
+    """``_FUSED_MTP_INPUT_RMSNORM_KERNEL`` (a Triton kernel): the MTP input embedding zeroed at position 0 (the
+    token there has no predecessor), then ``enorm``; each of the ``hc_mult`` target streams through ``hnorm``."""
+    e = inputs_embeds.masked_fill((positions == 0)[:, None], 0.0)
+    return (rms_norm(e, enorm_weight, eps).to(inputs_embeds.dtype),
+            rms_norm(previous_hidden_states, hnorm_weight, eps).to(previous_hidden_states.dtype))
+
+
+def shared_head_rmsnorm(hidden_states, weight, eps):
+    """``_MTP_SHARED_HEAD_RMSNORM_KERNEL`` (a Triton kernel): the MTP head's ``norm`` before the shared LM head."""
+    return rms_norm(hidden_states, weight, eps).to(hidden_states.dtype)
+
+
+def _rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float, inverse: bool = False) -> torch.Tensor:
+    """GPT-J RoPE on the last dimension, pairs (2i, 2i+1), ``freq_i = theta^(-2i/rd)`` (dsv4-architecture.md 4.2)."""
+    rd = x.shape[-1]
+    freqs = theta ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+    angle = positions.double()[:, None] * freqs[None]  # [T, rd/2]
+    rot = torch.polar(torch.ones_like(angle), -angle if inverse else angle).to(torch.complex64)
+    shape = [x.shape[0]] + [1] * (x.dim() - 2) + [rd // 2]
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], rd // 2, 2).contiguous())
+    return torch.view_as_real(xc * rot.view(shape)).flatten(-2)
+
+
+class SwaSinkAttention:
+    """The MTP layer's attention (``DeepseekV4ROCMAiterMLAAttention.forward``: AITER projections, the fused
+    q-norm/RoPE/KV-insert kernel writing vLLM's paged FP8 KV cache, AITER's sparse MLA over it, the inverse-RoPE
+    grouped output projection), which needs a ROCm device and vLLM's attention metadata. Replaced as a whole by the
+    DeepSeek-V4 spec's sliding-window attention with the sink (dsv4-architecture.md 4.1), for a prefill of
+    ``positions`` ``0..T-1`` with no earlier KV, computed from the real module's loaded parameters
+    (``fused_wqa_wkv``, ``q_norm``, ``wq_b``, ``kv_norm``, ``attn_sink``, ``wo_a``, ``wo_b``). What it does not
+    check: vLLM's KV-cache layout and kernels."""
+
+    def __init__(self, attn, rope_theta: float, window: int):
+        self.attn, self.theta, self.window = attn, rope_theta, window
+        # read as loaded: vLLM's CPU linears repack their weights after loading
+        self.w = {n: getattr(attn, n).weight.detach().float().clone()
+                  for n in ("fused_wqa_wkv", "q_norm", "wq_b", "kv_norm", "wo_a", "wo_b")}
+
+    def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor, llama_4_scaling=None) -> torch.Tensor:
+        a = self.attn
+        t, h, d, rd = hidden_states.shape[0], a.n_local_heads, a.head_dim, a.rope_head_dim
+        x = hidden_states.float()
+        w = self.w
+        qr, kv = (x @ w["fused_wqa_wkv"].T).split([a.q_lora_rank, d], dim=-1)
+        q = (rms_norm(qr, w["q_norm"], a.eps) @ w["wq_b"].T).view(t, h, d)
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + a.eps)
+        q = torch.cat([q[..., :-rd], _rope_interleaved(q[..., -rd:], positions, self.theta)], -1)
+        kv = rms_norm(kv, w["kv_norm"], a.eps)
+        kv = torch.cat([kv[..., :-rd], _rope_interleaved(kv[..., -rd:], positions, self.theta)], -1)
+        scores = torch.einsum("thd,kd->thk", q, kv) * d ** -0.5
+        qp, kp = positions[:, None], positions[None, :]
+        visible = (kp <= qp) & (kp > qp - self.window)
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        sink = a.attn_sink.float()[None, :, None].expand(t, h, 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]  # the sink only in the denominator
+        o = torch.einsum("thk,kd->thd", probs, kv)
+        o = torch.cat([o[..., :-rd], _rope_interleaved(o[..., -rd:], positions, self.theta, inverse=True)], -1)
+        groups = a.n_local_groups
+        wo_a = w["wo_a"].view(groups, a.o_lora_rank, -1)
+        z = torch.einsum("tgk,grk->tgr", o.reshape(t, groups, -1), wo_a)
+        return (z.flatten(1) @ w["wo_b"].T).to(hidden_states.dtype)
+
+
+class _Kernel:
+    """A stand-in with the kernel object's interface: called like it; ``register_warmup`` (JIT warm-up of the
+    Triton kernel it replaces) has nothing to warm up."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def register_warmup(self) -> None:
+        pass
+
+
+def install_forward(model, rope_theta: float, window: int) -> None:
+    """Replace the ROCm-only kernels the MTP forward calls: the two Triton RMSNorms (module globals of vLLM's
+    ``amd/mtp.py``) and each MTP layer's attention call (see :class:`SwaSinkAttention`). Call after loading and
+    before vLLM's ``process_weights_after_loading``."""
+    import vllm.models.deepseek_v4.amd.mtp as mtp
+
+    mtp._FUSED_MTP_INPUT_RMSNORM_KERNEL = _Kernel(fused_mtp_input_rmsnorm)
+    mtp._MTP_SHARED_HEAD_RMSNORM_KERNEL = _Kernel(shared_head_rmsnorm)
+    for layer in model.model.layers.values():
+        attn = layer.mtp_block.attn
+        attn.forward = SwaSinkAttention(attn, rope_theta, window)

@@ -7,7 +7,8 @@ the plugin's ``DeepSeekV4MTPModel`` -- a subclass of vLLM's real ``DeepSeekV4MTP
 with MTP on, for every case of ``cases.json``, and write per case and rank what the test checks:
 
 * ``{case}.json``: ``error`` (the construction or load failure, as vLLM's message), ``fused_shared_expert``,
-  ``methods`` (each module's vLLM quant method class), ``logs`` (the plugin's INFO lines), ``kernel`` (the
+  ``methods`` (each module's vLLM quant method class), ``quant_prefixes`` (the prefix and kind each layer asked
+  the quantization config with), ``shapes`` (cases with ``meta``: each parameter's shape and owner class), ``logs`` (the plugin's INFO lines), ``kernel`` (the
   draft view's and the target's monokernel / moe_backend);
 * ``{case}-rank{r}.pt``: every parameter after the plugin's loader ran (cases with ``load``).
 
@@ -69,7 +70,12 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
         with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype):
             if case.get("control"):
                 return control(case, vc, result)
-            model = DeepSeekV4MTPModel(vllm_config=vc, prefix="")
+            with torch.device("meta" if case.get("meta") else "cpu"):
+                model = DeepSeekV4MTPModel(vllm_config=vc, prefix="")
+            if case.get("meta"):
+                owners = {n: type(m).__name__ for n, m in model.named_modules()}
+                result["shapes"] = {n: [list(p.shape), owners[n.rsplit(".", 1)[0]]]
+                                    for n, p in model.named_parameters()}
             if case.get("load"):
                 reader = CheckpointReader(case["ckpt"])
                 model.load_weights((n, reader.get(n)) for n in reader.tensors)
@@ -84,6 +90,12 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
         result["fused_shared_expert"] = model.fused_shared_expert
         result["methods"] = {n: type(m.quant_method).__name__ for n, m in model.named_modules()
                              if getattr(m, "quant_method", None) is not None}
+        # the prefix each layer asked the quantization config with, and its kind (the embedding and LM head,
+        # replaced by the target's, left out)
+        result["quant_prefixes"] = sorted(
+            [m.layer_name, "moe"] if hasattr(m, "layer_name") else [m.prefix, "linear"]
+            for m in model.modules() if getattr(m, "quant_method", None) is not None
+            and "Embedding" not in type(m).__name__ and "LMHead" not in type(m).__name__)
         layer = next(iter(model.model.layers.values()))
         result["kernel"] = {
             "target_monokernel": getattr(vc.kernel_config, "monokernel", None),

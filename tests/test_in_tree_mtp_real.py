@@ -12,6 +12,8 @@ subclass of that release's ``vllm.models.deepseek_v4.amd.mtp.DeepSeekV4MTP`` -- 
 * every module that asks for a quantization method gets vLLM's unquantized one, the draft never fuses its shared
   expert, and each setting the draft declines (FSE, monokernel, mega-MoE) is one INFO line, the target's config
   keeping it;
+* at DeepSeek-V4-Pro / -Flash dimensions (meta device) at TP 1, 4 and 8, every native MTP tensor maps to a
+  parameter of the real class with a shape vLLM's loaders can split into it;
 * ``--moe-backend aiter`` (vLLM's AITER unquantized MoE, padded to AITER's alignment) and ``--kv-cache-dtype fp8``
   construct; ``--moe-backend aiter_mega_moe`` (FP4 experts only) is refused with the plugin's message.
 """
@@ -95,11 +97,35 @@ def load_cases(version: str, checkpoints: dict[str, Path]) -> list[dict]:
     return cases
 
 
+@pytest.fixture(scope="session")
+def config_dirs(tmp_path_factory) -> dict[str, Path]:
+    """DeepSeek-V4-Pro and -Flash: their config.json and one stand-in MTP tensor (the draft's start-up check
+    wants a checkpoint with an MTP layer; parameters are built on the meta device, nothing is read)."""
+    from safetensors.torch import save_file
+
+    from vllm_dsv4_mtp.serve.profiles import FLASH_CONFIG, PRO_CONFIG
+
+    root = tmp_path_factory.mktemp("pro-flash")
+    dirs = {}
+    for name, cfg in (("pro", PRO_CONFIG), ("flash", FLASH_CONFIG)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(dict(cfg)))
+        save_file({"mtp.0.enorm.weight": torch.ones(1, dtype=torch.bfloat16)}, str(root / name / "model.safetensors"))
+        dirs[name] = root / name
+    return dirs
+
+
+def shape_cases(config_dirs: dict[str, Path]) -> list[dict]:
+    return [dict(name=f"{name}-tp{tp}-meta", ckpt=str(d), tp=tp, meta=True,
+                 engine={"tensor_parallel_size": tp, "max_model_len": 4096})
+            for name, d in config_dirs.items() for tp in (1, 4, 8)]
+
+
 @pytest.fixture(scope="module", params=VERSIONS)
-def real(request, checkpoints, tmp_path_factory):
+def real(request, checkpoints, config_dirs, tmp_path_factory):
     version = request.param
     out = tmp_path_factory.mktemp(f"real-{version}")
-    cases = load_cases(version, checkpoints)
+    cases = load_cases(version, checkpoints) + shape_cases(config_dirs)
     run_worker(version, out, cases)
     results = {}
     for c in cases:
@@ -198,10 +224,63 @@ def test_every_parameter_is_the_exact_decode_at_tp1_and_tp2(real, checkpoints, l
                 assert g.dtype == (torch.float32 if w.dtype == torch.float32 else torch.bfloat16), name
 
 
+def _local_shape(name: str, native: tuple[int, ...], owner: str, shard, tp: int) -> tuple[int, ...]:
+    """The part of a native tensor a rank's parameter holds, by vLLM's layer class (``fused_wqa_wkv`` is built
+    with ``disable_tp=True``; 0.34's ``DeepseekV4GroupedWoA`` splits ``wo_a``'s output groups like a column-parallel
+    linear)."""
+    if owner in ("ColumnParallelLinear", "DeepseekV4GroupedWoA") or (owner == "MergedColumnParallelLinear" and "fused_wqa_wkv" not in name):
+        return (native[0] // tp, native[1])
+    if owner == "RowParallelLinear":
+        return (native[0], native[1] // tp)
+    if "RoutedExperts" in owner:
+        return (native[0] // tp, native[1]) if shard in ("w1", "w3") else (native[0], native[1] // tp)
+    if name.endswith("attn_sink"):
+        return (native[0] // tp,)
+    return native
+
+
+@pytest.mark.parametrize("name", ["pro", "flash"])
+def test_every_pro_and_flash_mtp_tensor_has_its_real_parameter_at_tp_1_4_8(real, config_dirs, name):
+    """At DeepSeek-V4-Pro / -Flash dimensions (the real class on the meta device, TP 1 / 4 / 8 ranks): every
+    native ``mtp.0.*`` tensor maps through the plugin's map to a parameter of vLLM's class with a shape vLLM's
+    loader can split into it, and every parameter receives a tensor."""
+    import math
+
+    from vllm_dsv4_mtp.config import weight_slots
+    from vllm_dsv4_mtp.gfx950.plan import in_tree_param_map, shared_with_target
+
+    version, out, cases, results = real
+    spec = DeepseekV4Spec.from_dir(config_dirs[name])
+    for tp in (1, 4, 8):
+        params = _ok(results, f"{name}-tp{tp}-meta", tp)[0]["shapes"]
+        param_for = in_tree_param_map(spec, fused_shared_expert=False)
+        received: dict[str, list[tuple[int, ...]]] = {}
+        for slot in weight_slots(spec).values():
+            if not slot.is_mtp:
+                continue
+            ref = param_for(slot.name)
+            assert ref.param in params, (version, name, tp, slot.name, ref.param)
+            shape, owner = params[ref.param]
+            local = _local_shape(ref.param, slot.shape, owner, ref.shard, tp)
+            received.setdefault(ref.param, []).append(local)
+            if ref.kind in ("plain", "sink"):
+                assert tuple(shape) == local, (version, name, tp, slot.name, shape, local)
+        for param, parts in received.items():
+            shape = tuple(params[param][0])
+            if "routed_experts" in param:  # E experts x (w1 + w3 | w2)
+                rows = sum(p[0] for p in parts) // spec.n_routed_experts
+                assert shape == (spec.n_routed_experts, rows, parts[0][1]), (version, name, tp, param)
+            elif len(parts) > 1:  # stacked: the shards' rows one after the other
+                assert shape == (sum(p[0] for p in parts), parts[0][1]), (version, name, tp, param, parts)
+        assert set(received) == set(params) - set(shared_with_target(spec)), (
+            version, name, tp, sorted(set(params) ^ set(received)))
+        assert sum(math.prod(s) for s, _ in params.values()) > 0
+
+
 def test_every_module_is_unquantized_and_the_shared_expert_never_fused(real):
     version, out, cases, results = real
     for c in cases:
-        if c["name"] == "mega-moe" or c.get("control"):
+        if c["name"] == "mega-moe" or c.get("control") or c.get("meta"):
             continue
         for res in _ok(results, c["name"], c["tp"]):
             assert res["fused_shared_expert"] is False, (version, c["name"])

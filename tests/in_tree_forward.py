@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 import rocm_standins
+import torch
 
 TOKENS = 48
 

@@ -8,8 +8,9 @@ with MTP on, for every case of ``cases.json``, and write per case and rank what 
 
 * ``{case}.json``: ``error`` (the construction or load failure, as vLLM's message), ``fused_shared_expert``,
   ``methods`` (each module's vLLM quant method class), ``quant_prefixes`` (the prefix and kind each layer asked
-  the quantization config with), ``shapes`` (cases with ``meta``: each parameter's shape and owner class), ``logs`` (the plugin's INFO lines), ``kernel`` (the
-  draft view's and the target's monokernel / moe_backend);
+  the quantization config with), ``shapes`` (cases with ``meta``: each parameter's shape and owner class),
+  ``logs`` (the plugin's INFO lines), ``kernel`` (the draft view's and the target's monokernel / moe_backend),
+  ``forward`` (cases with ``forward``: tests/in_tree_forward.py);
 * ``{case}-rank{r}.pt``: every parameter after the plugin's loader ran (cases with ``load``).
 
 argv: out_dir (holding cases.json).
@@ -25,7 +26,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import rocm_standins  # noqa: E402
+import rocm_standins
 
 rocm_standins.install()
 
@@ -155,7 +156,9 @@ def main() -> None:
     import multiprocessing as mp
     import tempfile
 
-    import vllm.engine.arg_utils  # noqa: F401  (imported once, before forking)
+    # imported once, before forking (a fresh import per rank would cost seconds of CPU each)
+    import vllm.engine.arg_utils
+
     import vllm_dsv4_mtp.gfx950.draft  # noqa: F401
 
     out = Path(sys.argv[1])

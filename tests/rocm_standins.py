@@ -73,7 +73,7 @@ def _aiter_shared_expert_routing_table(*args, **kwargs) -> None:
     expert's slot appended to every token's top-k) with ``device="cuda"``, which CPU torch refuses. The harness
     builds fused MoEs only to show what vLLM does with them (the plugin's draft never fuses) and never runs AITER's
     fused kernel that reads the table, so nothing is allocated."""
-    return None
+    return
 
 
 def install() -> None:
@@ -85,7 +85,7 @@ def install() -> None:
 
     rocm_aiter_ops.is_fusion_moe_shared_experts_enabled = staticmethod(_aiter_fse_requested)
     rocm_aiter_ops.is_fused_moe_enabled = staticmethod(_aiter_fused_moe_enabled)
-    import vllm.model_executor.layers.fused_moe.expert_map_manager as expert_map_manager
+    from vllm.model_executor.layers.fused_moe import expert_map_manager
 
     expert_map_manager.init_aiter_topK_meta_data = _aiter_shared_expert_routing_table
 
@@ -200,7 +200,7 @@ def install_forward(model, rope_theta: float, window: int) -> None:
     """Replace the ROCm-only kernels the MTP forward calls: the two Triton RMSNorms (module globals of vLLM's
     ``amd/mtp.py``) and each MTP layer's attention call (see :class:`SwaSinkAttention`). Call after loading and
     before vLLM's ``process_weights_after_loading``."""
-    import vllm.models.deepseek_v4.amd.mtp as mtp
+    from vllm.models.deepseek_v4.amd import mtp
 
     mtp._FUSED_MTP_INPUT_RMSNORM_KERNEL = _Kernel(fused_mtp_input_rmsnorm)
     mtp._MTP_SHARED_HEAD_RMSNORM_KERNEL = _Kernel(shared_head_rmsnorm)

@@ -2,8 +2,9 @@
 
 vLLM's in-tree AMD MTP layers ask ``vllm_config.quant_config`` for a method with the prefixes the real class's
 layers carry (read from vLLM 0.32's real ``DeepSeekV4MTP`` built on CPU by tests/in_tree_real_worker.py; the
-block's layers are named ``model.layers.{L}.attn.*`` / ``.ffn.*``, not under ``mtp_block``). For Quark configs with the structure AMD publishes and its variants, this asks vLLM's
-``QuarkConfig`` for each of those prefixes, with the layer classes vLLM builds there:
+block's layers are named ``model.layers.{L}.attn.*`` / ``.ffn.*``, not under ``mtp_block``). For Quark
+configs with the structure AMD publishes and its variants, this asks vLLM's ``QuarkConfig`` for each of those
+prefixes, with the layer classes vLLM builds there:
 
 * what vLLM's own draft gets (the control): on 0.32 quantized methods for MTP modules (no per-layer entry
   matches ``model.layers.{L}``, so the global MXFP4 W4A4 scheme applies: vllm-project/vllm#56054); with

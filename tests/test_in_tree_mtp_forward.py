@@ -10,9 +10,9 @@ pre/post ops, the norms, the DeepSeek-V4 MoE (bias router, unquantized fused exp
 SwiGLU clamp), the hc_head op and the logits processor.
 
 The checkpoint: BF16, the MTP shared expert's ``w1`` / ``w3`` scaled x8 so its SwiGLU clamp binds (checked:
-its gate pre-activations exceed ``swiglu_limit``), the routed experts' ``w2`` x8 so their output weighs more; attention, routed and shared experts each contribute (checked:
-zeroing any one of them fails the comparison). The routed experts are kept below the limit (checked) because
-vLLM's CPU fused-MoE kernel ignores ``swiglu_limit`` (found by this harness: with the clamp binding there, the
+its gate pre-activations exceed ``swiglu_limit``), the routed experts' ``w2`` x8 so their output weighs more;
+attention, routed and shared experts each contribute (checked: zeroing any one of them fails the comparison).
+The routed experts are kept below the limit (checked) because vLLM's CPU fused-MoE kernel ignores ``swiglu_limit`` (found by this harness: with the clamp binding there, the
 real MoE matches the reference only with the reference's routed clamp removed); on MI355 AITER's kernel runs
 them, which CPU cannot check.
 
@@ -34,7 +34,6 @@ import re
 
 import pytest
 import torch
-
 from test_in_tree_mtp_real import VERSIONS, run_worker
 
 REL_TOL = 0.025

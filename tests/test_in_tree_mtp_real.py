@@ -25,9 +25,9 @@ import os
 import sys
 from pathlib import Path
 
+import procs
 import pytest
 import torch
-import procs
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.testing.vllm_overlay import overlay_root
@@ -228,7 +228,8 @@ def _local_shape(name: str, native: tuple[int, ...], owner: str, shard, tp: int)
     """The part of a native tensor a rank's parameter holds, by vLLM's layer class (``fused_wqa_wkv`` is built
     with ``disable_tp=True``; 0.34's ``DeepseekV4GroupedWoA`` splits ``wo_a``'s output groups like a column-parallel
     linear)."""
-    if owner in ("ColumnParallelLinear", "DeepseekV4GroupedWoA") or (owner == "MergedColumnParallelLinear" and "fused_wqa_wkv" not in name):
+    column = ("ColumnParallelLinear", "DeepseekV4GroupedWoA")
+    if owner in column or (owner == "MergedColumnParallelLinear" and "fused_wqa_wkv" not in name):
         return (native[0] // tp, native[1])
     if owner == "RowParallelLinear":
         return (native[0], native[1] // tp)

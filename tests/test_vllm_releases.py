@@ -26,7 +26,6 @@ from vllm_dsv4_mtp.testing.vllm_source import (
     release_source,
 )
 
-
 #: imports known not to resolve, per release, each with why it is not (yet) a failure. 0.34 removed
 #: ``vllm.v1.sample.rejection_sampler``: the portable path's CPU expand-kernel workaround imports it lazily, and only
 #: reaches that import on a CPU without Triton, which 0.34 refuses on x86 (``vLLM on x86 CPUs requires Triton``);

@@ -93,5 +93,13 @@ def target(llm):
 
 
 def drafter(llm):
-    """The speculative draft model object of an in-process engine on one device."""
-    return _model_runner(llm).drafter.model
+    """The speculative draft model object of an in-process engine on one device.
+
+    Model Runner V1 holds the proposer as ``.drafter``; V2 (the default for MTP on ROCm with Triton from vLLM
+    0.32, the only runner from 0.34) as ``.speculator``. Both keep the draft module as ``.model``."""
+    runner = _model_runner(llm)
+    proposer = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
+    if proposer is None:
+        raise AssertionError(f"{type(runner).__module__}.{type(runner).__name__} has neither .speculator (Model "
+                             "Runner V2) nor .drafter (V1): is speculative decoding on?")
+    return proposer.model

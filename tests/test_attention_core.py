@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dsv4_mtp.model import paged_cache as ac
+from vllm_dsv4_mtp.model import paged_rows as ac
 from vllm_dsv4_mtp.model.attention_metadata import SEGMENT, PortableAttentionMetadata
 
 
@@ -104,10 +104,10 @@ class _Steps:
                 self.written[req] += n
         return md, owner
 
-    def seen(self, slots, hidden=None):
-        """(request, position, version) of the rows at ``slots`` not hidden, in order."""
+    def seen(self, slots, masked=None):
+        """(request, position, version) of the rows at ``slots`` not masked, in order."""
         rows = self.core.gather(slots, 0, 6)
-        keep = torch.ones(slots.shape, dtype=torch.bool) if hidden is None else ~hidden
+        keep = torch.ones(slots.shape, dtype=torch.bool) if masked is None else ~masked
         return [(int(r[0]), int(r[1]), float(r[3])) for r in rows[keep]]
 
 
@@ -137,9 +137,9 @@ def test_addressing_of_a_mixed_batch():
     for ratio in (4, 3):
         ent = md.entries(ratio)
         for t, req, p, g, o in _queries(md, owner):
-            assert st.seen(win.slots[g], win.hidden[g, o]) == [(req, k, 0.0) for k in range(max(0, p - w + 1), p + 1)]
+            assert st.seen(win.slots[g], win.masked[g, o]) == [(req, k, 0.0) for k in range(max(0, p - w + 1), p + 1)]
             want = [(req, ratio * j + ratio - 1, 0.0) for j in range((p + 1) // ratio)]
-            assert st.seen(ent.slots[g], ent.hidden[g, o]) == want
+            assert st.seen(ent.slots[g], ent.masked[g, o]) == want
             assert int(ent.limit[g, o, 0]) == len(want)
         done = md.completions(ratio, 2 * ratio)
         ends = [(req, p) for _, req, p, _, _ in _queries(md, owner) if p % ratio == ratio - 1]
@@ -167,11 +167,11 @@ def test_rows_of_rejected_drafts_are_never_addressed():
         ent = md.entries(ratio)
         win = md.window(64)
         for t, req, p, g, o in _queries(md, owner):
-            seen = st.seen(win.slots[g], win.hidden[g, o]) + st.seen(ent.slots[g], ent.hidden[g, o])
+            seen = st.seen(win.slots[g], win.masked[g, o]) + st.seen(ent.slots[g], ent.masked[g, o])
             assert all(k <= p for _, k, _ in seen)
             if req == 1:
                 assert (1, 6, 7.0) not in seen and (1, 5, 9.0) in seen and (1, 4, 7.0) in seen
-            # every addressed row, hidden or not, belongs to the query's own sequence (finite, written rows)
+            # every addressed row, masked or not, belongs to the query's own sequence (finite, written rows)
             assert {r for r, _, _ in st.seen(win.slots[g]) + st.seen(ent.slots[g])} == {req}
     # the corrected position 5 closes a block of 2: pooled from the accepted rows only
     done = md.completions(2, 4)

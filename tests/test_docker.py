@@ -140,6 +140,20 @@ def test_images_run_dsv4_mtp_serve_as_non_root_with_health_check():
         assert str(PROFILES[profile].args[-1][1]) == "8000" and PROFILES[profile].args[-1][0] == "--port"
 
 
+def test_rocm_image_keeps_every_compile_cache_on_the_cache_volume():
+    """vLLM's, Triton's, Inductor's and AITER's JIT caches all on /cache (a volume), each directory created for the
+    non-root user: a cache left at its default (AITER: ~/.aiter) is rebuilt by every new container."""
+    last = max(s for s, _, _ in instructions(ROCM))
+    final = [(w, r) for s, w, r in instructions(ROCM) if s == last]
+    env = dict(kv.split("=", 1) for w, r in final if w == "ENV" for kv in shlex.split(r))
+    volumes = [p for w, r in final if w == "VOLUME" for p in json.loads(r)]
+    caches = {k: env.get(k) for k in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "AITER_JIT_DIR")}
+    assert "/cache" in volumes
+    assert all(v and v.startswith("/cache/") for v in caches.values()), caches
+    made = " ".join(r for w, r in final if w == "RUN" and "install -d -o 10001" in r)
+    assert all(v in made.split() for v in caches.values()), (caches, made)
+
+
 # ------------------------------------------------------------------------------------------------- CPU install
 def _dockerignored(patterns: list[str], rel: str) -> bool:
     """Docker's .dockerignore semantics for the patterns used here (globs, ``**/``, ``!`` re-includes)."""

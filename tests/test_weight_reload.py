@@ -140,5 +140,5 @@ def test_reload_of_a_dummy_loaded_mtp_engine_serves_the_new_target_and_warns_abo
         logging.getLogger("vllm.dsv4_mtp.model").removeHandler(records)
     assert after == fresh_b
     assert sum("the MTP draft keeps the MTP layer it started with" in m for m in records.messages) == 1
-    # what the README and the warning say: the draft's own weights change only with a new engine
+    # what docs/usage.md and the warning say: the draft's own weights change only with a new engine
     assert not torch.equal(hc_head, CheckpointReader(a_and_b[1]).get("mtp.0.hc_head_fn"))

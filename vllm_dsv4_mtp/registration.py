@@ -4,9 +4,11 @@
   BF16 (``vllm_dsv4_mtp.gfx950.draft``); vLLM's own ``DeepseekV4ForCausalLM`` stays the target.
 * elsewhere (``platform.PORTABLE``): the portable target and draft (``vllm_dsv4_mtp.model``) and the
   ``dsv4_mtp_portable`` quantization config that lets them read Quark / FP8 checkpoints.
-* a vLLM outside :data:`vllm_dsv4_mtp.versions.SUPPORTED_VLLM`: both architecture names map to a class
-  whose constructor raises the version error, so serving DeepSeek-V4 stops with that one message (and any
-  other model is unaffected); vLLM's plugin loader would swallow an exception raised here.
+* a vLLM outside :data:`vllm_dsv4_mtp.versions.SUPPORTED_VLLM`: what the plugin would have supplied maps to a
+  class whose constructor raises the version error (vLLM's plugin loader would swallow an exception raised
+  here). On gfx950 that is only the draft: vLLM's own target keeps serving DeepSeek-V4 without MTP, and a
+  speculative config stops at start-up with that one message. Elsewhere the target is the plugin's too, so
+  serving DeepSeek-V4 stops with the message; any other model is unaffected.
 
 Classes are registered as lazy ``"module:Class"`` strings: nothing of the model (or torch) is imported until
 vLLM resolves the architecture. ``VLLM_DSV4_MTP_DISABLE=1`` turns the plugin off.
@@ -57,16 +59,22 @@ def register_models() -> bool:
     from vllm_dsv4_mtp.versions import UnsupportedVllmError, check_vllm_version
 
     log = init_logger("vllm.dsv4_mtp")  # a "vllm." name so the line goes through vLLM's log handler
+    impl = platform.implementation()
     try:
         check_vllm_version()
     except UnsupportedVllmError as e:
-        for arch in (TARGET_ARCH, DRAFT_ARCH):
+        refused = models_for(impl)
+        for arch in refused:
             ModelRegistry.register_model(arch, UNSUPPORTED)
-        log.error("vllm-dsv4-mtp plugin: %s; DeepSeek-V4 will not start (set %s=1 to serve it with vLLM's own "
-                  "classes)", e, DISABLE_ENV)
+        if impl == platform.IN_TREE:
+            what = ("the MTP draft will not start; vLLM's own DeepSeek-V4 target serves without a speculative "
+                    "config")
+        else:
+            what = "DeepSeek-V4 will not start"
+        log.error("vllm-dsv4-mtp plugin: %s; %s (refused: %s; set %s=1 to use vLLM's own classes)", e, what,
+                  ", ".join(refused), DISABLE_ENV)
         _registered = True
         return True
-    impl = platform.implementation()
     models = models_for(impl)
     for arch, ref in models.items():
         ModelRegistry.register_model(arch, ref)

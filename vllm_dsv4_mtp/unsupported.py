@@ -1,4 +1,4 @@
-"""The class the plugin registers for DeepSeek-V4 when the installed vLLM is outside its supported range.
+"""What the plugin registers in place of its own classes when the installed vLLM is outside its supported range.
 
 It has the interface of a text-generation model, so vLLM's config checks accept the architecture and the
 version error is what stops the engine when it builds the model (one message, naming both versions).

@@ -11,7 +11,7 @@ bfloat16, ``enforce_eager``, ``max_model_len`` 4096, 64 sequences, no prefix cac
 Measured ``--reps`` times, medians reported. **Interleaved**: every model's engine is started up front and
 kept running, and each repetition measures every point on every engine in turn (the order rotating between
 repetitions), each measurement after a 1.5 s pause in which the other engines' workers stop polling
-(:func:`quiet`). This VM's speed drifts by up to 1.6x over minutes (docs/benchmarks.md, runs BA-BD), so a
+(:func:`quiet`). This VM's speed drifts over minutes (docs/benchmarks.md, runs BA-BD), so a
 plugin measured minutes after the floor could not be compared with it; a ratio here is the median over
 repetitions of the two engines' samples taken seconds apart (:func:`paired_ratios`).
 
@@ -142,7 +142,7 @@ def decode_step_ms(llm, prompts: list[list[int]], n_decode: int, reps: int) -> f
 
     The untimed run: the first prefill of a new shape pays one-off costs (allocations, kernel set-up) that would
     land in ``t(1)`` alone, and at a 300-token prompt with ``N`` = 17 they once exceeded the 16 decode steps
-    (CI, stop 20: -0.93 ms)."""
+    (CI, stop 20: a negative step; docs/benchmarks.md)."""
     generate(llm, prompts, 1)
     return positive_median([step_sample(llm, prompts, n_decode) for _ in range(reps)], n_decode)
 
@@ -158,8 +158,9 @@ def step_sample(llm, prompts: list[list[int]], n_decode: int) -> float:
 def context_sample(llm, prompts: list[list[int]], n_decode: int) -> float:
     """One decode step in ms of a single request (the context row), from the engine's own timestamps of its first
     and last token: ``(last - first) / (N - 1)``, the prefill outside it. The difference of two runs
-    (:func:`step_sample`) carries the prefill's noise, which at 4,000 tokens is that of a ~1 s prefill: divided by
-    32 steps it moved BF16's 4,000-token step from 0.35 to 5.7 ms between repetitions of one run (run BE)."""
+    (:func:`step_sample`) carries the prefill's noise, which at 4,000 tokens is that of a long prefill: divided by
+    32 steps it still moved BF16's 4,000-token step by many times the step between repetitions of one run (run BE,
+    docs/benchmarks.md)."""
     if len(prompts) != 1:
         raise ValueError(f"context_sample: one request, got {len(prompts)}")
     (out,) = llm.generate([{"prompt_token_ids": prompts[0]}], greedy(n_decode), use_tqdm=False)

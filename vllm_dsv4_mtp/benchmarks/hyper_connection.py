@@ -19,7 +19,7 @@ ops(generate 1 token)) / 32``, every profiler event with ``::`` in its name (eng
 them mHC's: events under a ``record_function("mhc")`` that this script wraps, in its own process and for the
 measurement only, around ``HyperConnection.pre`` / ``.post`` and ``HyperHead.forward``. Ms per step: the
 same difference of unprofiled wall times, each the fastest of 7 runs (other jobs' vLLM workers bind to the
-same cores of the shared dev machine, and a disturbed run can be 30x slower).
+same cores of the shared dev machine, and a disturbed run can be many times slower: docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Per token ``t`` at position ``p``::
 
 ``wq_a`` and ``wkv`` are one stacked replicated GEMM (``fused_wqa_wkv``); heads (``wq_b``, ``attn_sink``)
 and output groups (``wo_a``) are split across tensor-parallel ranks, ``wo_b`` reduces. The cache-touching
-part is :class:`vllm_dsv4_mtp.model.paged_cache.PagedRowCache` with the step's addressing
+part is :class:`vllm_dsv4_mtp.model.paged_rows.PagedRowCache` with the step's addressing
 (``model/attention_metadata.py``); this file holds the maths, batched over the whole step: the queries are
 laid out as ``[n_seg, S]`` segments (consecutive queries of one request), each segment attends to one
 contiguous window-key range plus the C128 entries it may see or (C4) each query's indexer picks. Segments (at
@@ -41,11 +41,12 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
+from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata, SharedKeys
 from vllm_dsv4_mtp.model.compressor import Compressor
 from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, dispatched_linear, plain_linears, slice_linears
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
 from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
-from vllm_dsv4_mtp.model.paged_cache import PagedRowCache, cache_row_width, entry_channels, layer_row_width
+from vllm_dsv4_mtp.model.paged_rows import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.rope import layer_rope
 from vllm_dsv4_mtp.model import sink_kernel
 from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
@@ -55,7 +56,8 @@ from vllm_dsv4_mtp.model.window_kernel import WindowKernel, usable
 # the intermediates of one group of segments (masks, gathered keys, indexer scores) stay below this many elements
 GROUP_BUDGET = 1 << 23
 # wo_a as one block-diagonal linear while that matrix has at most this many elements (the embedded model's:
-# 2 x 64 x 2 x 256; 24 -> 12 us at 1 token, 32 -> 16 at 64 on CPU); DeepSeek-V4's own groups stay one call each
+# 2 x 64 x 2 x 256: one call instead of one per group and a concatenation, faster on CPU: docs/benchmarks.md);
+# DeepSeek-V4's own groups stay one call each
 BLOCK_DIAGONAL_MAX = 1 << 20
 # a verify window's queries' C4 picks (S * k) join its shared key set up to this many: each query computes
 # scores over the others' picks too, which costs less than a second kernel pass while the union is small (the
@@ -271,20 +273,19 @@ class DeepseekV4Attention(nn.Module):
     def uses_sink_kernel(self) -> bool:
         """Whether the segments attend through the compiled kernel (``model/sink_kernel.py``) over this
         layer's bound cache; decided once per bound cache. Every segment may: it is at most
-        ``attention_metadata.SEGMENT`` = 32 queries, where the kernel was measured faster than torch's flash
-        kernel (one thread, bf16, ~150 keys and 16 picks a query: 194 against 311 us at 32 queries; the flash
-        kernel only pays from ~256, 3.0 against 3.1 ms)."""
+        ``attention_metadata.SEGMENT`` = 32 queries, where the kernel is faster than torch's flash kernel, which
+        only pays for segments several times longer (docs/benchmarks.md)."""
         cache = self.cache.kv_cache
         if self._sink_kernel is None or self._sink_kernel[0] is not cache:
             self._sink_kernel = (cache, sink_kernel.usable(cache.dtype, self.head_dim, cache.device))
         return self._sink_kernel[1]
 
-    def forward_paged(self, md, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward_paged(self, md: PortableAttentionMetadata, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` for explicit metadata (a ``PortableAttentionMetadata``) over the bound cache."""
         md.check_positions(positions)
         n = md.num_tokens
         x_real = x[:n]
-        rot = self.rope.step_rotation(md.memo, "tokens", md.positions)
+        rot = self.rope.step_rotation(md.derived.rotations, "tokens", md.positions)
         q, qr, rows = self.project(x_real, rot)
         kernel = self.window_kernel()
         if kernel is not None:  # a SWA layer (its rows are the latent alone) through vLLM's CPU kernel
@@ -302,13 +303,14 @@ class DeepseekV4Attention(nn.Module):
                                                  entry_channel=ch["ikey"])
                 index_q, index_w = self.indexer.queries(qr, x_real, rot, self.rope)
             o = self.attend(md, q, index_q, index_w)
-        o = self.rope.apply_(o, self.rope.step_rotation(md.memo, "tokens", md.positions, inverse=True))
+        o = self.rope.apply_(o, self.rope.step_rotation(md.derived.rotations, "tokens", md.positions, inverse=True))
         if n < x.shape[0]:  # padding tokens: output 0
             o = torch.cat([o, o.new_zeros(x.shape[0] - n, *o.shape[1:])])
         return self.output(o)
 
     # ----------------------------------------------------------------------------------------------
-    def attend(self, md, q: torch.Tensor, index_q: torch.Tensor | None, index_w: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, md: PortableAttentionMetadata, q: torch.Tensor, index_q: torch.Tensor | None,
+               index_w: torch.Tensor | None) -> torch.Tensor:
         """Attention of the step's queries ``q: [n, H_local, d]`` over the paged rows -> ``[n, H_local, d]``
         (rope still applied at the query positions). ``index_q, index_w``: the indexer's (C4 only)."""
         b, s = md.num_segments, md.seg_len
@@ -335,29 +337,30 @@ class DeepseekV4Attention(nn.Module):
         o = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(b * s, *q.shape[1:])
         return o if md.output_index is None else o.index_select(0, md.output_index)
 
-    def _shared_keys(self, md, additive: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _shared_keys(self, md: PortableAttentionMetadata, additive: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys every query of a segment may see: the window and (C128-style layers) every complete entry, as
         one cache-piece index ``[n_seg, K]`` (one gather reads both) and which each query may not see,
         ``[n_seg, S, K]``: bool (True = masked), or with ``additive`` the additive mask in the cache dtype; the
-        same for every layer of this kind, so made once per step."""
-        key = ("shared_keys", self.window, 0 if self.indexer is not None else self.compress_ratio)
-        if key not in md.memo:
+        same for every layer of this kind, so made once per step (:class:`SharedKeys`)."""
+        made = md.derived.shared_keys
+        key = (self.window, 0 if self.indexer is not None else self.compress_ratio)
+        if key not in made:
             ch = self.channels
             win = md.window(self.window)
-            index, hidden = [self.cache.piece_index(win.slots, ch["kv"])], [win.hidden]
+            index, masked = [self.cache.piece_index(win.slots, ch["kv"])], [win.masked]
             ent = md.entries(self.compress_ratio) if self.compress_ratio and self.indexer is None else None
             if ent is not None and ent.count:
                 index.append(self.cache.piece_index(ent.slots, ch["entry"]))
-                hidden.append(ent.hidden)
-            md.memo[key] = (torch.cat(index, dim=1), torch.cat(hidden, dim=-1))
-        index, hidden = md.memo[key]
+                masked.append(ent.masked)
+            made[key] = SharedKeys(torch.cat(index, dim=1), torch.cat(masked, dim=-1))
+        keys = made[key]
         if not additive:
-            return index, hidden
-        if key + ("additive",) not in md.memo:
-            md.memo[key + ("additive",)] = additive_mask(hidden, self.cache.dtype)
-        return index, md.memo[key + ("additive",)]
+            return keys.index, keys.masked
+        if keys.additive is None:
+            keys.additive = additive_mask(keys.masked, self.cache.dtype)
+        return keys.index, keys.additive
 
-    def _attend_group(self, md, seg: slice, q: torch.Tensor, iq: torch.Tensor | None,
+    def _attend_group(self, md: PortableAttentionMetadata, seg: slice, q: torch.Tensor, iq: torch.Tensor | None,
                       iw: torch.Tensor | None) -> torch.Tensor:
         """One group of segments: ``q: [B, S, H_local, d]`` -> ``[B, S, H_local, d]``."""
         ch = self.channels
@@ -369,7 +372,7 @@ class DeepseekV4Attention(nn.Module):
         if ent is not None and ent.count:  # C4: each query's indexer picks among the complete entries
             slots = ent.slots[seg]
             index_keys = self.cache.gather(slots, ch["ikey"], self.indexer.head_dim)
-            picks, unseen = indexer_topk(iq, iw, index_keys, ent.hidden[seg], ent.limit[seg],
+            picks, unseen = indexer_topk(iq, iw, index_keys, ent.masked[seg], ent.limit[seg],
                                          topk=self.indexer.topk)
             bsz, s, k = picks.shape
             picked = self.cache.piece_index(torch.gather(slots, 1, picks.reshape(bsz, s * k)), ch["entry"])
@@ -379,9 +382,9 @@ class DeepseekV4Attention(nn.Module):
                 # decodes and short verify windows: every query's picks join the segment's key set, each visible
                 # only to the query that picked it (an entry two queries picked is there twice, once for each),
                 # so one gather and one kernel pass serve the segment
-                hidden = _not_own_picks(s, k, picks.device) | unseen.view(bsz, 1, s * k)
+                masked = _not_own_picks(s, k, picks.device) | unseen.view(bsz, 1, s * k)
                 index = torch.cat([index, picked], dim=1)
-                mask = torch.cat([mask, additive_mask(hidden, mask.dtype)], dim=-1)
+                mask = torch.cat([mask, additive_mask(masked, mask.dtype)], dim=-1)
             else:
                 per_query = (self.cache.gather_pieces(picked.view(bsz, s, k)), unseen)
         if kernel:  # keys read from the cache by index, masks as they are

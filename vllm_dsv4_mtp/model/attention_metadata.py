@@ -10,10 +10,14 @@ this module derives, with numpy, every index the layers need, so no layer loops 
   a prefill chunk ``ceil(q_len / S)`` of them. Layers compute ``[n_seg, S, ...]`` batches; queries are
   gathered into that layout with ``query_index`` and back with ``output_index`` (both None when the layout
   is the identity: no segment is padded, as in a step of decodes or of equal verify windows).
-* on first use by a layer, memoised for the others (:meth:`window`, :meth:`entries`, :meth:`completions`):
+* on first use by a layer, kept for the others (:meth:`window`, :meth:`entries`, :meth:`completions`):
   the cache slots of each segment's window keys with the per-query mask; the slots of the rows that hold
-  compressed entries (the row of the token completing each block, see ``model/paged_cache.py``) with
+  compressed entries (the row of the token completing each block, see ``model/paged_rows.py``) with
   the per-query visibility; and the slots of the rows of every block this step completes.
+
+Those, and what layers derive from them (rotations, cache-piece indices, the shared key sets, vLLM's kernel
+schedule), live in the named fields of :class:`StepDerived`, one per quantity, made by the first layer that needs
+them and reused by every other layer of the step.
 
 Positions outside a sequence are clamped into ``[0, last position of the segment]`` for addressing (and
 masked), so every gathered row was written by this sequence (finite values; rows beyond ``seq_len``, e.g. of
@@ -33,23 +37,23 @@ SEGMENT = 32
 
 @dataclass
 class Window:
-    """Window keys of each segment: ``slots [n_seg, K]`` int64, ``hidden [n_seg, S, K]`` bool (True = masked)."""
+    """Window keys of each segment: ``slots [n_seg, K]`` int64, ``masked [n_seg, S, K]`` bool (True = masked)."""
 
     slots: torch.Tensor
-    hidden: torch.Tensor
+    masked: torch.Tensor
 
 
 @dataclass
 class Entries:
     """Compressed entries ``j < (last position + 1) // ratio`` of each segment, padded to ``n = max``.
 
-    ``slots [n_seg, n]`` int64 (rows of positions ``ratio * j + ratio - 1``); ``hidden [n_seg, S, n]`` bool
+    ``slots [n_seg, n]`` int64 (rows of positions ``ratio * j + ratio - 1``); ``masked [n_seg, S, n]`` bool
     (True where ``j >= (query position + 1) // ratio``: not complete for that query); ``limit [n_seg, S, 1]``
     int64 (that bound).
     """
 
     slots: torch.Tensor
-    hidden: torch.Tensor
+    masked: torch.Tensor
     limit: torch.Tensor
     count: int
 
@@ -66,6 +70,48 @@ class Completions:
     row_valid: torch.Tensor
     dst: torch.Tensor
     block_pos: torch.Tensor
+
+
+@dataclass
+class SharedKeys:
+    """The keys every query of a segment may see on one kind of layer (``model/attention.py``): ``index [n_seg, K]``
+    cache-piece indices (the window, then the complete C128-style entries: one gather reads both), ``masked
+    [n_seg, S, K]`` bool (True = masked) and, once a layer asks for it, ``additive``: that mask as 0 / -inf in
+    the cache dtype."""
+
+    index: torch.Tensor
+    masked: torch.Tensor
+    additive: torch.Tensor | None = None
+
+
+@dataclass
+class KernelSchedule:
+    """The step's arguments of vLLM's CPU attention kernel (``model/window_kernel.py``): int32 host copies of
+    ``query_start_loc [R + 1]``, ``seq_lens [R]`` and the block table, and the kernel's scheduler metadata."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scheduler: torch.Tensor
+
+
+@dataclass
+class StepDerived:
+    """What the layers derive from one step's metadata, made by the first layer that needs it and reused by every
+    other layer of the step. Each field maps what tells layers apart (the key, in the comment) to the value."""
+
+    windows: dict[int, Window] = field(default_factory=dict)  # window size
+    entries: dict[int, Entries] = field(default_factory=dict)  # compress ratio
+    # (compress ratio, rows pooled per entry); None: no block completes in this step
+    completions: dict[tuple[int, int], Completions | None] = field(default_factory=dict)
+    # (the rope's frequencies, what the positions are, inverse) -> complex64 rotation (``model/rope.py``)
+    rotations: dict[tuple[tuple, str, bool], torch.Tensor] = field(default_factory=dict)
+    # (pieces a cache row, piece width, pieces a layer writes) -> cache-piece index of the step's written rows
+    write_pieces: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+    # (window size, compress ratio of the entries every query sees, 0 for none: SWA and C4 layers)
+    shared_keys: dict[tuple[int, int], SharedKeys] = field(default_factory=dict)
+    # (window size, query heads, query dtype)
+    kernel_schedules: dict[tuple[int, int, torch.dtype], KernelSchedule] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,7 +140,7 @@ class PortableAttentionMetadata:
     _qpos: np.ndarray = field(repr=False)  # [n_seg, S] query positions, -1 = padding
     _qsl: np.ndarray = field(repr=False)  # [num_reqs + 1] query_start_loc
     _seq_lens: np.ndarray = field(repr=False)  # [num_reqs]
-    memo: dict = field(default_factory=dict, repr=False)  # per-step tables and tensors shared by layers
+    derived: StepDerived = field(default_factory=StepDerived, repr=False)  # made by layers, shared by them
     positions_checked: bool = False
 
     # ------------------------------------------------------------------------------------------ build
@@ -154,49 +200,48 @@ class PortableAttentionMetadata:
     # ------------------------------------------------------------------------------------------ lazy tables
     def window(self, size: int) -> Window:
         """Window keys ``{q - size + 1 .. q}`` of every query, as one key range per segment."""
-        key = ("window", size)
-        if key not in self.memo:
+        if size not in self.derived.windows:
             last = self._seg_last
             first = np.maximum(self._qpos[:, 0] - size + 1, 0)
             k = int((last - first + 1).max(initial=1))
             kpos = first[:, None] + np.arange(k)[None, :]  # [n_seg, K]
             q = self._qpos[:, :, None]
             kp = kpos[:, None, :]
-            hidden = (kp > q) | (kp <= q - size) | (q < 0)
+            masked = (kp > q) | (kp <= q - size) | (q < 0)
             slots = self.slot(self._seg_req[:, None], np.minimum(kpos, last[:, None]))
-            self.memo[key] = Window(_dev(slots, self.device), _dev(hidden, self.device))
-        return self.memo[key]
+            self.derived.windows[size] = Window(_dev(slots, self.device), _dev(masked, self.device))
+        return self.derived.windows[size]
 
     def entries(self, ratio: int) -> Entries:
         """Rows of the compressed entries each segment may see (``j < (last + 1) // ratio``)."""
-        key = ("entries", ratio)
-        if key not in self.memo:
+        if ratio not in self.derived.entries:
             n_seg = (self._seg_last + 1) // ratio
             n = int(n_seg.max(initial=0))
             j = np.arange(n)[None, :]
             jpos = np.where(j < n_seg[:, None], ratio * j + ratio - 1, 0)
             slots = self.slot(self._seg_req[:, None], jpos)
             limit = (self._qpos + 1) // ratio  # [n_seg, S]; padding queries (-1) see none
-            hidden = j[None] >= limit[:, :, None]
-            self.memo[key] = Entries(_dev(slots, self.device), _dev(hidden, self.device),
-                                     _dev(limit[:, :, None], self.device), n)
-        return self.memo[key]
+            masked = j[None] >= limit[:, :, None]
+            self.derived.entries[ratio] = Entries(_dev(slots, self.device), _dev(masked, self.device),
+                                                  _dev(limit[:, :, None], self.device), n)
+        return self.derived.entries[ratio]
 
     def completions(self, ratio: int, span: int) -> Completions | None:
         """Blocks completed in this step, with the ``span`` rows ending at the completing token; None if none."""
-        key = ("completions", ratio, span)
-        if key not in self.memo:
+        done_blocks = self.derived.completions
+        key = (ratio, span)
+        if key not in done_blocks:
             done = np.nonzero((self._pos % ratio == ratio - 1) & (self._tok_slot >= 0))[0]
             if done.shape[0] == 0:
-                self.memo[key] = None
+                done_blocks[key] = None
             else:
                 p = self._pos[done]
                 rows = p[:, None] - span + 1 + np.arange(span)[None, :]
                 slots = self.slot(self._tok_req[done][:, None], np.maximum(rows, 0))
-                self.memo[key] = Completions(
+                done_blocks[key] = Completions(
                     _dev(slots, self.device), _dev((rows >= 0)[:, :, None], self.device),
                     _dev(self._tok_slot[done], self.device), _dev(p - ratio + 1, self.device))
-        return self.memo[key]
+        return done_blocks[key]
 
     def segment_groups(self, elems_per_segment: int, budget: int) -> list[tuple[int, int]]:
         """Consecutive segment ranges whose ``elems_per_segment`` intermediates stay under ``budget``."""

@@ -13,7 +13,7 @@ once its block is complete; a query at position ``t`` sees entries ``j < (t + 1)
 
 The portable attention core keeps ``[c | z]`` per token in the paged KV cache; :meth:`Compressor.complete`
 pools a block once, in the step that writes its last token, from the block's cached rows, and stores the
-entry in that token's row (see ``model/paged_cache.py``). Also used, at ``hd = index_head_dim``, by the
+entry in that token's row (see ``model/paged_rows.py``). Also used, at ``hd = index_head_dim``, by the
 lightning indexer.
 """
 
@@ -25,8 +25,10 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO, blocks_per_entry
+from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
 from vllm_dsv4_mtp.model.cpu_linear import LINEARS
 from vllm_dsv4_mtp.model.norm import rms_norm
+from vllm_dsv4_mtp.model.paged_rows import PagedRowCache
 from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
 
@@ -84,16 +86,17 @@ class Compressor(nn.Module):
         """``x: [T, D]`` -> ``[T, row_width]`` rows ``[c | z]`` to store per token."""
         return self.fused_wkv_wgate(x)
 
-    def complete(self, md, cache, rope: DeepseekV4Rope, *, kv_gate_channel: int, entry_channel: int) -> None:
+    def complete(self, md: PortableAttentionMetadata, cache: PagedRowCache, rope: DeepseekV4Rope, *,
+                 kv_gate_channel: int, entry_channel: int) -> None:
         """Make the entries of the blocks this step completes and store them in their completing rows.
 
-        ``md``: the step's ``PortableAttentionMetadata``; ``cache``: the layer's ``PagedRowCache`` (this step's
-        rows already written); the rows' ``[c | z]`` start at ``kv_gate_channel``, entries go to ``entry_channel``.
+        ``cache``: the layer's rows (this step's already written); the rows' ``[c | z]`` start at
+        ``kv_gate_channel``, entries go to ``entry_channel``.
         """
         done = md.completions(self.ratio, self.blocks_per_entry * self.ratio)
         if done is None:
             return
         rows = cache.gather(done.row_slots, kv_gate_channel, self.row_width)  # [M, span, row_width]
         pooled = pool_gathered(rows, done.row_valid, self.ape, ratio=self.ratio, head_dim=self.head_dim)
-        rot = rope.step_rotation(md.memo, f"blocks{self.ratio}", done.block_pos)
+        rot = rope.step_rotation(md.derived.rotations, f"blocks{self.ratio}", done.block_pos)
         cache.put(done.dst, entry_channel, rope.apply_(rms_norm(pooled, self.norm), rot))

@@ -2,23 +2,23 @@
 
 vLLM's own linears on CPU go through ``dispatch_cpu_unquantized_gemm`` once loaded: a prepacked AMX kernel
 where the CPU has one, else oneDNN or torch. The routed experts (``[E, N, K]``) and the grouped ``wo_a``
-(``[G, N, K]``) are batched parameters, whose batched bf16 matmuls cost 40-70 us a call on the CPUs measured
-against about 10 us for one packed slice; :func:`pack_weights` gives their modules one dispatched linear per
+(``[G, N, K]``) are batched parameters, whose batched bf16 matmuls cost several times what a call on one packed
+slice costs (docs/benchmarks.md); :func:`pack_weights` gives their modules one dispatched linear per
 slice after loading (a float32 model's down projections get float64 linears instead: ``model/split_sums.py``).
 Packing keeps the parameters (the packed copies add their bytes once more on CPU; the routed experts'
 all-expert pass, where a model takes it, one more packed copy of them).
 
-On a CPU without a 16-bit dot-product instruction (x86 without AVX512-BF16 or AMX, e.g. an AVX2-only EPYC)
-vLLM's dispatch cannot build its oneDNN bf16 matmul and falls back to torch's bf16 ``F.linear``, measured 10-15x
-slower there than a float32 GEMM of the same values (one thread, ``[64, 128] x [128, 1024]``: 4.0 ms vs 0.33
-ms). There :func:`cpu_linear` keeps a float32 copy of a 16-bit weight and computes ``x.float() @ w32.T`` (torch's
-float32 ``F.linear``) rounded once to the activation dtype, which is what a bf16 GEMM with float32 accumulation
-computes, up to the order of its sums (an element in ~10,000 differs by one bf16 ulp); the copy takes twice the
-weight's bytes. The model's vLLM linear layers (the attention projections, the compressor, the indexer, the shared
-expert, the MTP layer's ``e_proj`` / ``h_proj``) take the same route through :data:`LINEARS`, the ``quant_config``
-they are built with: it gives them :class:`Float32RouteLinearMethod`, which is vLLM's ``UnquantizedLinearMethod``
-(its weight loaders included) wherever the route does not apply. On such a CPU the verify window's 3 rows a
-request had made a batch-64 K=2 step cost 3.7 MTP-off steps (``docs/benchmarks.md``).
+On a CPU without a 16-bit dot-product instruction (x86 without AVX512-BF16 or AMX, e.g. an AVX2-only EPYC) vLLM's
+dispatch cannot build its oneDNN bf16 matmul and falls back to torch's bf16 ``F.linear``, an order of magnitude
+slower there than a float32 GEMM of the same values (docs/benchmarks.md). There :func:`cpu_linear` keeps a float32
+copy of a 16-bit weight and computes ``x.float() @ w32.T`` (torch's float32 ``F.linear``) rounded once to the
+activation dtype, which is what a bf16 GEMM with float32 accumulation computes, up to the order of its sums (an
+element in ~10,000 differs by one bf16 ulp); the copy takes twice the weight's bytes. The model's vLLM linear layers
+(the attention projections, the compressor, the indexer, the shared expert, the MTP layer's ``e_proj`` / ``h_proj``)
+take the same route through :data:`LINEARS`, the ``quant_config`` they are built with: it gives them
+:class:`Float32RouteLinearMethod`, which is vLLM's ``UnquantizedLinearMethod`` (its weight loaders included)
+wherever the route does not apply. On such a CPU the verify window's 3 rows a request had made a batch-64 K=2 step
+cost several MTP-off steps (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def cpu_linear(weight: torch.Tensor) -> Linear:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     if float32_route(weight):
-        # torch's float32 F.linear, not vLLM's float32 dispatch: its oneDNN handle cost ~35 us more a call at
-        # 1-16 rows on the AVX2 EPYC measured (56 vs 20 us at [1, 128] x [128, 256]), the same at 64+ rows
+        # torch's float32 F.linear, not vLLM's float32 dispatch: its oneDNN handle costs more a call at 1-16 rows
+        # on an AVX2 EPYC, the same at 64+ rows (docs/benchmarks.md)
         dtype, wide = weight.dtype, weight.float()
         return lambda x: F.linear(x.float(), wide).to(dtype)
 

@@ -37,9 +37,9 @@ from vllm_dsv4_mtp.model.split_sums import partial_dtype, wide_linear
 
 # The all-expert pass (every expert's GEMMs over every token) while those cost at most this many multiply-adds;
 # under W4A4 half of that: its SwiGLU and MXFP4 rounding run on the routed rows only, but its GEMMs still cover
-# every expert. Measured on the embedded model's MoE (8 + 1 experts of 128 x 128, one thread, router included):
-# BF16 faster than the dispatch up to ~190 tokens (2.7x at 16); W4A4 (8 experts, no router) up to ~110 (1.3x at
-# 64: 217 against 284 us); the budgets stop short of both (~150, ~85).
+# every expert. On the embedded model's MoE the pass beat the dispatch up to a number of tokens, for BF16 and for
+# W4A4; the budgets (~150 and ~85 of its tokens) stop short of both crossovers (docs/benchmarks.md, "Why the code
+# is as it is").
 ALL_EXPERTS_MACS = 1 << 26
 ALL_EXPERTS_MACS_W4A4 = 1 << 25
 
@@ -192,7 +192,7 @@ class PortableExperts(nn.Module):
         weight (0 where not routed, 1 for the shared expert) in float32, then one ``w2`` GEMM whose sum over
         experts is the routed sum (plus the shared expert's output). Under W4A4 the SwiGLU and its rounding run
         on the routed rows only (:meth:`_forward_routed_rows`); otherwise the float32 SwiGLU over every row costs
-        less at small batches than the index ops that would pick the rows (40 against 51 us at 1 token). The same
+        less at small batches than the index ops that would pick the rows (docs/benchmarks.md). The same
         function as the per-expert dispatch with no sort or per-expert call; it rounds each scaled row
         to ``x.dtype`` where the dispatch rounds each expert's output (the same bound; in float32 neither
         rounds there: the dispatch keeps each output in float64, the pass's scaled rows are float32 already).

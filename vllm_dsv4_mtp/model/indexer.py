@@ -5,7 +5,7 @@ indexer's own C4 compressor (``hd = dI``) produce keys ``KI [n, dI]``; the score
 ``t`` is ``sum_h relu(qI[t,h] . KI[j]) * dI^-0.5 * w[t,h]``, restricted to entries that are complete
 (``j < (t + 1) // 4``). Picks beyond the causal limit (too few ready entries) are flagged invalid. The keys
 are made once per block (the indexer's compressor, in the block's completing row of the paged cache; see
-``model/paged_cache.py``) and gathered per segment of queries.
+``model/paged_rows.py``) and gathered per segment of queries.
 
 The reference also rotates ``qI`` and ``KI`` by a Hadamard matrix and fake-quantises them to FP4 (QAT);
 the rotation is orthonormal, so the dot products are unchanged, and the FP4 rounding is not applied here
@@ -25,7 +25,7 @@ from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
 
 def indexer_topk(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, hidden: torch.Tensor, limit: torch.Tensor, *,
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, masked: torch.Tensor, limit: torch.Tensor, *,
     topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k entry indices per query, for ``B`` segments of ``S`` queries over ``n`` candidate entries each.
@@ -33,7 +33,7 @@ def indexer_topk(
     Args:
         q: ``[B, S, nI, dI]`` roped indexer queries; ``weights``: ``[B, S, nI]`` float32 (scaled by nI^-0.5).
         keys: ``[B, n, dI]`` indexer keys of each segment's sequence (entries ``0 .. n-1``, padded).
-        hidden: ``[B, S, n]`` bool, True where entry ``j`` is not complete for the query (``j >= limit``).
+        masked: ``[B, S, n]`` bool, True where entry ``j`` is not complete for the query (``j >= limit``).
         limit: ``[B, S, 1]`` int64 number of entries complete for each query.
 
     Returns:
@@ -46,13 +46,13 @@ def indexer_topk(
     b, s, heads, dim = q.shape
     scores = torch.bmm(q.float().view(b, s * heads, dim), keys.float().transpose(1, 2)).view(b, s, heads, n)
     scores = scores.relu_() * scale
-    scores = (scores * weights.unsqueeze(-1)).sum(dim=2).masked_fill_(hidden, float("-inf"))  # [B, S, n]
+    scores = (scores * weights.unsqueeze(-1)).sum(dim=2).masked_fill_(masked, float("-inf"))  # [B, S, n]
     picks = top_entries(scores, k)
     return picks, picks >= limit
 
 
-# from this many scores in a call, top-k over int64 keys is faster than sorting every query's scores
-# (measured on CPU: 64 x 250 scores 402 -> 108 us, 64 x 1,000 2.0 -> 0.43 ms; below, the sort is faster)
+# from this many scores in a call, top-k over int64 keys is faster than sorting every query's scores; below, the
+# sort is faster (on CPU: docs/benchmarks.md)
 KEYED_TOPK_FROM = 1 << 13
 
 

@@ -64,14 +64,17 @@ class DeepseekV4Rope(nn.Module):
         cos, sin = self.cos_sin(positions)
         return torch.complex(cos, sin)
 
-    def step_rotation(self, memo: dict, tag: str, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """:meth:`rotation` (conjugated when ``inverse``), memoised in a step's ``memo`` under ``tag`` (the
-        role of ``positions``), so the layers sharing this rope's frequencies compute it once per step."""
-        key = ("rope", self.key, tag, inverse)
-        rot = memo.get(key)
+    def step_rotation(self, rotations: dict[tuple[tuple, str, bool], torch.Tensor], tag: str, positions: torch.Tensor,
+                      inverse: bool = False) -> torch.Tensor:
+        """:meth:`rotation` (conjugated when ``inverse``), kept in the step's ``rotations``
+        (``PortableAttentionMetadata.derived.rotations``) under ``tag`` (the role of ``positions``), so the
+        layers sharing this rope's frequencies compute it once per step."""
+        key = (self.key, tag, inverse)
+        rot = rotations.get(key)
         if rot is None:
-            rot = self.step_rotation(memo, tag, positions).conj_physical() if inverse else self.rotation(positions)
-            memo[key] = rot
+            rot = (self.step_rotation(rotations, tag, positions).conj_physical() if inverse
+                   else self.rotation(positions))
+            rotations[key] = rot
         return rot
 
     def apply_(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,9 @@ import torch
 NEG_INF = float("-inf")
 
 
-def additive_mask(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``hidden`` bool (True = masked) -> the same shape in ``dtype``: 0 where visible, -inf where masked."""
-    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, NEG_INF)
+def additive_mask(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``masked`` bool (True = masked) -> the same shape in ``dtype``: 0 where visible, -inf where masked."""
+    return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill_(masked, NEG_INF)
 
 
 def flash_lse(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
@@ -37,8 +37,8 @@ def flash_lse(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
     ``o = 0`` and ``lse = 0`` from the kernel: callers mask such rows' ``lse`` themselves.
 
     The key set is one latent for every head, so the kernel sees one "head" whose ``M * H`` queries are the
-    row's (query, head) pairs: one pass over the keys per row instead of one per head (2-3x less time for a
-    verify window than heads over an expanded key tensor, measured).
+    row's (query, head) pairs: one pass over the keys per row instead of one per head (less time for a verify
+    window than heads over an expanded key tensor: docs/benchmarks.md).
     """
     n, m, h, d = q.shape
     k = keys.shape[1]
@@ -79,7 +79,7 @@ def sink_attention(q: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor],
                    scale: float) -> torch.Tensor:
     """``q [B, S, H, d]`` (``B`` segments of ``S`` queries) over ``shared = (keys [B, K, d], mask [B, S, K])``
     (keys every query of a segment may see; ``mask`` additive in ``q.dtype``, :func:`additive_mask`) and
-    optionally ``per_query = (keys [B, S, k, d], hidden [B, S, k] bool)`` (one key set per query: the C4
+    optionally ``per_query = (keys [B, S, k, d], masked [B, S, k] bool)`` (one key set per query: the C4
     picks; True = masked); ``sink [H]`` float32 -> ``[B, S, H, d]`` in ``q.dtype``."""
     keys, mask = shared
     if q.device.type != "cpu":
@@ -88,19 +88,19 @@ def sink_attention(q: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor],
     parts = [flash_lse(q, keys, mask, scale)]
     if per_query is not None:
         b, s, h, d = q.shape
-        pkeys, phidden = per_query
+        pkeys, pmasked = per_query
         k = pkeys.shape[2]
         o, lse = flash_lse(q.reshape(b * s, 1, h, d), pkeys.reshape(b * s, k, d),
-                           additive_mask(phidden.reshape(b * s, 1, k), q.dtype), scale)
+                           additive_mask(pmasked.reshape(b * s, 1, k), q.dtype), scale)
         # a query with no visible pick: its set contributes nothing (the kernel reports lse = 0 for it)
-        lse = lse.view(b, s, h).masked_fill(phidden.all(dim=-1, keepdim=True), NEG_INF)
+        lse = lse.view(b, s, h).masked_fill(pmasked.all(dim=-1, keepdim=True), NEG_INF)
         parts.append((o.reshape(b, s, h, d), lse))
     return combine_with_sink(parts, sink, q.dtype)
 
 
 def sink_attention_reference(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor,
                              scale: float) -> torch.Tensor:
-    """The same function in float32 matmuls over concatenated logits: ``parts`` are ``(keys, hidden)`` with
+    """The same function in float32 matmuls over concatenated logits: ``parts`` are ``(keys, masked)`` with
     ``keys`` either ``[B, K, d]`` (shared by a segment's queries) or ``[B, S, k, d]`` (one set per query)."""
     b, s, h, d = q.shape
     qf = q.float()
@@ -108,8 +108,8 @@ def sink_attention_reference(q: torch.Tensor, parts: list[tuple[torch.Tensor, to
     logits = [torch.bmm(qf.reshape(b, s * h, d), k.transpose(1, 2)).view(b, s, h, -1) if k.dim() == 3
               else torch.matmul(qf, k.transpose(-1, -2)) for k in keys]
     sizes = [x.shape[-1] for x in logits]
-    hidden = torch.cat([m for _, m in parts], dim=-1)
-    logits = torch.cat(logits, dim=-1).mul_(scale).masked_fill_(hidden.unsqueeze(2), NEG_INF)
+    masked = torch.cat([m for _, m in parts], dim=-1)
+    logits = torch.cat(logits, dim=-1).mul_(scale).masked_fill_(masked.unsqueeze(2), NEG_INF)
     # the sink is one more logit per head whose value carries nothing: softmax over [logits | sink]
     logits = torch.cat([logits, sink.float().view(1, 1, h, 1).expand(b, s, h, 1)], dim=-1)
     p = torch.softmax(logits, dim=-1).split([*sizes, 1], dim=-1)

@@ -6,8 +6,8 @@ caps a segment at 32 queries), reading every key straight from the cache's piece
 (``csrc/sink_attention.c``): no gathered copy of the keys, no additive masks, no per-set log-sum-exp to combine.
 Scores, probabilities and sums are float32 for bfloat16 and float32 rows alike, and the output is rounded once
 (torch's CPU flash kernel, the other path, rounds bfloat16 probabilities before the value product). A decode
-step's C4 layer at batch 64 (144 keys a query) takes ~0.36 ms here against ~0.62 ms for the gather and flash
-kernel; at batch 1, 9 against 35 us (docs/benchmarks.md).
+step's C4 layer takes less time here than through the gather and flash kernel, at batch 1 and at batch 64
+(docs/benchmarks.md, "Why the code is as it is").
 
 Built on first use with the machine's C compiler (``model/cpu_kernels.py``); without one, or if the build or the
 probe against the reference (:func:`kernel_works`) fails, :func:`usable` says no and the attention keeps
@@ -32,7 +32,7 @@ ERRORS = {1: "out of memory", 2: "a key index outside the cache's piece table", 
 
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-# q, q_stride, pieces, n_pieces, bf16, B, S, H, d, shared_idx, shared_hidden, K, own_idx, own_hidden, k, sink,
+# q, q_stride, pieces, n_pieces, bf16, B, S, H, d, shared_idx, shared_masked, K, own_idx, own_masked, k, sink,
 # scale, out
 SIGNATURE = (_P, _I64, _P, _I64, _I32, _I32, _I32, _I32, _I32, _P, _P, _I32, _P, _P, _I32, _P, ctypes.c_float, _P)
 
@@ -41,13 +41,13 @@ def _function():
     return function("sink_attention", "dsv4_sink_attention", SIGNATURE)
 
 
-def attend_rows(q: torch.Tensor, pieces: torch.Tensor, shared_index: torch.Tensor, shared_hidden: torch.Tensor,
-                own_index: torch.Tensor | None, own_hidden: torch.Tensor | None, sink: torch.Tensor,
+def attend_rows(q: torch.Tensor, pieces: torch.Tensor, shared_index: torch.Tensor, shared_masked: torch.Tensor,
+                own_index: torch.Tensor | None, own_masked: torch.Tensor | None, sink: torch.Tensor,
                 scale: float) -> torch.Tensor:
     """Sink attention of ``q [B, S, H, d]`` over keys read from ``pieces [N, d]`` (the cache's piece table,
     ``PagedRowCache.piece_table``): every query of segment ``b`` may see the rows ``shared_index [B, K]`` where
-    ``shared_hidden [B, S, K]`` (bool, True = masked) is False, and query ``(b, s)`` also its own
-    ``own_index [B, S, k]`` where ``own_hidden`` is False; ``sink [H]`` float32 -> ``[B, S, H, d]`` in
+    ``shared_masked [B, S, K]`` (bool, True = masked) is False, and query ``(b, s)`` also its own
+    ``own_index [B, S, k]`` where ``own_masked`` is False; ``sink [H]`` float32 -> ``[B, S, H, d]`` in
     ``q.dtype``. ``q`` and ``pieces`` share a dtype (float32 or bfloat16); ``q``'s heads and channels must be
     contiguous (its query rows may be strided)."""
     fn = _function()
@@ -58,7 +58,7 @@ def attend_rows(q: torch.Tensor, pieces: torch.Tensor, shared_index: torch.Tenso
             or not pieces.is_contiguous()):
         raise ValueError(f"attend_rows: q {q.dtype} [.., {d}] against a {pieces.dtype} piece table "
                          f"{tuple(pieces.shape)} (contiguous: {pieces.is_contiguous()})")
-    masks = (shared_hidden,) if own_hidden is None else (shared_hidden, own_hidden)
+    masks = (shared_masked,) if own_masked is None else (shared_masked, own_masked)
     indices = (shared_index,) if own_index is None else (shared_index, own_index)
     if (any(t.dtype != torch.int64 for t in indices) or any(t.dtype not in (torch.bool, torch.uint8) for t in masks)
             or sink.numel() != h):
@@ -68,20 +68,20 @@ def attend_rows(q: torch.Tensor, pieces: torch.Tensor, shared_index: torch.Tenso
         q = q.contiguous()
     k = 0 if own_index is None else own_index.shape[-1]
     shared_index = shared_index.contiguous()
-    shared_hidden = shared_hidden.contiguous()
-    if shared_index.shape != (b, shared_index.shape[1]) or shared_hidden.shape != (b, s, shared_index.shape[1]):
-        raise ValueError(f"attend_rows: shared keys {tuple(shared_index.shape)} / {tuple(shared_hidden.shape)} "
+    shared_masked = shared_masked.contiguous()
+    if shared_index.shape != (b, shared_index.shape[1]) or shared_masked.shape != (b, s, shared_index.shape[1]):
+        raise ValueError(f"attend_rows: shared keys {tuple(shared_index.shape)} / {tuple(shared_masked.shape)} "
                          f"for {b} x {s} queries")
     if k:
-        own_index, own_hidden = own_index.contiguous(), own_hidden.contiguous()
-        if own_index.shape != (b, s, k) or own_hidden.shape != (b, s, k):
-            raise ValueError(f"attend_rows: own keys {tuple(own_index.shape)} / {tuple(own_hidden.shape)} for "
+        own_index, own_masked = own_index.contiguous(), own_masked.contiguous()
+        if own_index.shape != (b, s, k) or own_masked.shape != (b, s, k):
+            raise ValueError(f"attend_rows: own keys {tuple(own_index.shape)} / {tuple(own_masked.shape)} for "
                              f"{b} x {s} queries")
     sink = sink.float().contiguous()
     out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device)
     rc = fn(q.data_ptr(), q.stride(1), pieces.data_ptr(), pieces.shape[0], ROW_DTYPES[q.dtype], b, s, h, d,
-            shared_index.data_ptr(), shared_hidden.data_ptr(), shared_index.shape[1],
-            own_index.data_ptr() if k else None, own_hidden.data_ptr() if k else None, k,
+            shared_index.data_ptr(), shared_masked.data_ptr(), shared_index.shape[1],
+            own_index.data_ptr() if k else None, own_masked.data_ptr() if k else None, k,
             sink.data_ptr(), scale, out.data_ptr())
     if rc:
         raise KernelError(f"the sink-attention kernel failed: {ERRORS.get(rc, rc)}")
@@ -110,20 +110,20 @@ def kernel_works(dtype: torch.dtype) -> bool:
     worst = 0.0
     for s, k in ((1, 0), (3, 4)):
         index = torch.randint(0, n, (2, 9), generator=g)
-        hidden = torch.rand(2, s, 9, generator=g) < 0.3
-        hidden[1, 0] = True
+        masked = torch.rand(2, s, 9, generator=g) < 0.3
+        masked[1, 0] = True
         own = torch.randint(0, n, (2, s, k), generator=g)
-        own_hidden = torch.rand(2, s, k, generator=g) < 0.3
-        own_hidden[1, 0] = True
+        own_masked = torch.rand(2, s, k, generator=g) < 0.3
+        own_masked[1, 0] = True
         q = torch.randn(2, s, heads, d, generator=g).to(dtype)
         sink = torch.randn(heads, generator=g)
         try:
-            got = attend_rows(q, pieces, index, hidden, own if k else None, own_hidden if k else None, sink, 0.125)
+            got = attend_rows(q, pieces, index, masked, own if k else None, own_masked if k else None, sink, 0.125)
         except (KernelError, ValueError) as e:
             logger.info("vllm-dsv4-mtp: the sink-attention kernel failed its probe (%s); the attention keeps "
                         "torch's path", e)
             return False
-        parts = [(pieces[index], hidden)] + ([(pieces[own], own_hidden)] if k else [])
+        parts = [(pieces[index], masked)] + ([(pieces[own], own_masked)] if k else [])
         want = sink_attention_reference(q, parts, sink, 0.125)
         worst = max(worst, (got.float() - want.float()).abs().max().item())
     ok = worst <= (1e-5 if dtype == torch.float32 else 1e-2)

@@ -1,12 +1,12 @@
 """The sums tensor parallelism splits, in float64 for float32 models: ``wo_b`` and the MoE's down projections.
 
-A row-parallel GEMM sums over its input features. Under tensor (or expert) parallelism each rank sums a part and
-the all-reduce adds the parts: the same additions in another order than one rank's GEMM makes them. In float32
-that moves results by float32 ulps per layer, and the layers add them up (the embedded model: TP2's top-1 prompt
-log-probabilities 6.6e-6 off TP1's). For a float32 model, the dtype parity is measured in, these GEMMs therefore
-run in float64 on a float64 copy of their weights; the parts are all-reduced in float64 and rounded to float32
-once, after the sum, so the order of the parts no longer shows (TP2 within 6e-7 of TP1). Models in other dtypes
-keep vLLM's kernels and all-reduce: a BF16 part's own rounding is far coarser than the order of its additions.
+A row-parallel GEMM sums over its input features. Under tensor (or expert) parallelism each rank sums a part and the
+all-reduce adds the parts: the same additions in another order than one rank's GEMM makes them. In float32 that
+moves results by float32 ulps per layer, and the layers add them up (the embedded model's TP2 against TP1:
+docs/benchmarks.md). For a float32 model, the dtype parity is measured in, these GEMMs therefore run in float64 on a
+float64 copy of their weights; the parts are all-reduced in float64 and rounded to float32 once, after the sum, so
+the order of the parts no longer shows (TP2 an order of magnitude closer to TP1). Models in other dtypes keep vLLM's
+kernels and all-reduce: a BF16 part's own rounding is far coarser than the order of its additions.
 
 Cost, float32 models only (TP1 included): these GEMMs run as plain float64 ``F.linear`` calls, and under TP each
 layer's two all-reduces go through gloo. Memory: the routed experts' float64 ``w2`` copies replace their packed

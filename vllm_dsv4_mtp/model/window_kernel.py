@@ -4,10 +4,9 @@ A DeepSeek-V4 layer with compress ratio 0 (the embedded model's layer 0, every M
 position ``p`` to the latents of positions ``p - W + 1 .. p`` with one sink logit per head: what vLLM's CPU
 attention kernel (``cpu_attention_with_kv_cache``) computes for a sliding-window model with attention sinks,
 causal, one KV head shared by the query heads, from the paged cache and the step's block table, for every
-request of the step in one call (no per-segment gather, mask or flash-kernel call). At 64 decode sequences,
-window 128, head 128, it takes 139 us on warm caches against ~600 us for the gather and flash-kernel path of
-``model/sink_attention.py``. In the engine, where the window rows come from memory, a step is 2-5 % shorter
-(docs/benchmarks.md).
+request of the step in one call (no per-segment gather, mask or flash-kernel call), so it takes less time than
+the gather and flash-kernel path of ``model/sink_attention.py``: far less on warm caches, less in the engine,
+where the window rows come from memory (docs/benchmarks.md, "Why the code is as it is").
 
 The kernel keeps keys and values in its own block layout (``cpu_attn_reshape_and_cache``), so the latent, key
 and value at once, is stored twice: in the first ``2 * block_size * head_dim`` elements of each of the layer's
@@ -28,7 +27,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.logger import init_logger
 
-from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
+from vllm_dsv4_mtp.model.attention_metadata import KernelSchedule, PortableAttentionMetadata
 
 logger = init_logger("vllm.dsv4_mtp.window_kernel")
 
@@ -126,8 +125,9 @@ class WindowKernel:
         out = torch.empty_like(q)
         if n == 0:
             return out
-        key = ("window_kernel", self.window, heads, q.dtype)
-        if key not in md.memo:  # the same for every SWA layer of the step
+        schedules = md.derived.kernel_schedules
+        key = (self.window, heads, q.dtype)
+        if key not in schedules:  # the same for every SWA layer of the step
             qsl = torch.from_numpy(md._qsl.astype("int32"))
             seq_lens = torch.from_numpy(md._seq_lens.astype("int32"))
             table = torch.from_numpy(md._bt.astype("int32"))
@@ -135,10 +135,11 @@ class WindowKernel:
                 num_reqs=seq_lens.shape[0], num_heads=heads, num_kv_heads=1, head_dim=self.head_dim,
                 seq_lens=seq_lens, dtype=q.dtype, query_start_loc=qsl, causal=True,
                 sliding_window_size=self.window, isa=ISA, enable_kv_split=False)
-            md.memo[key] = (qsl, seq_lens, table, sched)
-        qsl, seq_lens, table, sched = md.memo[key]
+            schedules[key] = KernelSchedule(qsl, seq_lens, table, sched)
+        step = schedules[key]
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=self.key_cache, value_cache=self.value_cache, output=out,
-            query_start_loc=qsl, seq_lens=seq_lens, scale=self.scale, causal=True, alibi_slopes=None,
-            sliding_window=self.window, block_table=table, softcap=0.0, scheduler_metadata=sched, s_aux=sink)
+            query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, scale=self.scale, causal=True,
+            alibi_slopes=None, sliding_window=self.window, block_table=step.block_table, softcap=0.0,
+            scheduler_metadata=step.scheduler, s_aux=sink)
         return out

@@ -103,3 +103,91 @@ def permutation_chain(perm: list[int], start: int, n: int) -> list[int]:
         out.append(t)
     return out
 
+
+
+def engage_mtp(ckpt: str | Path, *, preact_std: float = 12.0) -> float:
+    """Rewrite a BF16 tiny checkpoint's MTP experts in place so that their SwiGLU clamp engages.
+
+    A random checkpoint's expert inputs (RMS-normalised) give pre-activations ``w1 x`` / ``w3 x`` with a standard
+    deviation near the rows' norm, far below ``swiglu_limit`` (10), so a kernel that drops or misplaces the clamp
+    computes the same numbers. Every MTP routed and shared expert's ``w1`` / ``w3`` is scaled so that its rows'
+    mean norm is ``preact_std`` (12: about 30 % of the gate and up entries pass the limit); the down projections
+    are divided by the gain squared (SwiGLU's growth), so the experts' outputs stay comparable to attention's and
+    every part of the layer moves the result (measure with :func:`mtp_activity`). Returns the gain."""
+    import json
+
+    cfg = json.loads((Path(ckpt) / "config.json").read_text())
+    if cfg.get("quantization_config"):
+        raise ValueError(f"{ckpt}: engage_mtp needs a BF16 checkpoint")
+    from safetensors import safe_open
+
+    norms = []
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            norms += [h.get_tensor(n).float().norm(dim=1).mean().item() for n in h.keys()
+                      if n.startswith("mtp.") and ".ffn." in n and n.endswith((".w1.weight", ".w3.weight"))]
+    if not norms:
+        raise ValueError(f"{ckpt}: no MTP expert weights")
+    gain = preact_std / (sum(norms) / len(norms))
+
+    def edit(name: str, t: torch.Tensor) -> torch.Tensor | None:
+        if not (name.startswith("mtp.") and ".ffn." in name):
+            return None
+        if name.endswith((".w1.weight", ".w3.weight")):
+            return t.float() * gain
+        if name.endswith(".w2.weight"):
+            return t.float() / gain**2
+        return None
+
+    rewrite_tensors(ckpt, edit)
+    return gain
+
+
+def mtp_activity(ref, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> dict[str, float]:
+    """How much each part of the reference MTP layer (``reference.mtp.ReferenceMTP``) moves its output on these
+    inputs, and how often the SwiGLU clamp engages: ``attention`` / ``routed`` / ``shared``: the RMS of each
+    part's output over the RMS of the block's input streams; ``routed_clamped`` / ``shared_clamped``: the fraction
+    of gate entries above ``swiglu_limit`` (up entries outside it count too)."""
+    import torch.nn.functional as F
+
+    block, limit = ref.block, ref.config.swiglu_limit
+    out: dict[str, float] = {}
+    clamp = {"routed": [0, 0], "shared": [0, 0]}
+
+    def count(kind: str, gate: torch.Tensor, up: torch.Tensor) -> None:
+        clamp[kind][0] += int((gate > limit).sum()) + int((up.abs() > limit).sum())
+        clamp[kind][1] += gate.numel() + up.numel()
+
+    def on_experts(module, args, output):
+        x, top_k_index = args[0], args[1]
+        for e in range(module.num_experts):
+            rows = (top_k_index == e).any(-1)
+            if rows.any():
+                gate, up = F.linear(x[rows], module.gate_up_proj[e]).chunk(2, dim=-1)
+                count("routed", gate, up)
+        out["routed"] = output.float().pow(2).mean().sqrt().item()
+
+    def on_shared(module, args, output):
+        count("shared", module.gate_proj(args[0]), module.up_proj(args[0]))
+        out["shared"] = output.float().pow(2).mean().sqrt().item()
+
+    def on_attn(module, args, kwargs, output):
+        out["attention"] = output[0].float().pow(2).mean().sqrt().item()
+
+    def on_block(module, args, kwargs):
+        out["input"] = (args[0] if args else kwargs["hidden_states"]).float().pow(2).mean().sqrt().item()
+
+    handles = [block.mlp.experts.register_forward_hook(on_experts),
+               block.mlp.shared_experts.register_forward_hook(on_shared),
+               block.self_attn.register_forward_hook(on_attn, with_kwargs=True),
+               block.register_forward_pre_hook(on_block, with_kwargs=True)]
+    try:
+        with torch.no_grad():
+            ref(hidden, ids, positions)
+    finally:
+        for h in handles:
+            h.remove()
+    scale = out.pop("input")
+    result = {k: out[k] / scale for k in ("attention", "routed", "shared")}
+    result.update({f"{k}_clamped": n / max(total, 1) for k, (n, total) in clamp.items()})
+    return result

@@ -10,10 +10,16 @@ loaded or refused with an error naming the checkpoint and the tensor:
 3. :mod:`vllm_dsv4_mtp.weights.names` says which parameter receives it; the parameter's own vLLM
    ``weight_loader`` (tensor-parallel slicing, stacked shards, fused experts) stores it;
 4. at the end, a tensor the layout expects but the checkpoint lacks, or a parameter nothing filled, is an error.
+
+Under expert parallelism a rank holds only some routed experts. vLLM's ``enable_ep_weight_filter`` then drops the
+other ranks' expert weights before the loader sees them (their scales still arrive), so those experts' tensors
+are skipped when they come and not expected when they do not (:func:`expert_owner`); the rank that holds an
+expert checks it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -36,6 +42,40 @@ _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float
 
 # (native name, tensor) -> None, or raises: the draft's precision policy, asked before a quantized tensor is kept
 Admit = Callable[[str, torch.Tensor], None]
+# a routed expert's weight or scale: layers.N.ffn.experts.E.* / mtp.i.ffn.experts.E.*
+_ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.(\d+)\.")
+
+
+def expert_owner(model: nn.Module) -> Callable[[int], bool] | None:
+    """``expert id -> held by this rank`` where expert parallelism splits the routed experts, else None.
+
+    Read from the model's expert modules: the portable ``PortableExperts`` (``first_expert`` / ``local_experts``)
+    or vLLM's routed experts (its ``expert_map_manager``, which raises for an expert of another rank). With EPLB
+    vLLM may place any expert on any rank, so every expert is loaded everywhere (None)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is not None and config.parallel_config.enable_eplb:
+        return None
+    for m in model.modules():
+        if hasattr(m, "first_expert") and hasattr(m, "local_experts") and hasattr(m, "num_experts"):
+            if m.local_experts < m.num_experts:
+                first, n = m.first_expert, m.local_experts
+                return lambda e: first <= e < first + n
+            return None
+        manager = getattr(m, "expert_map_manager", None)
+        if manager is not None:
+            if not getattr(m, "use_ep", False):
+                return None
+
+            def held(e: int, manager=manager) -> bool:
+                try:
+                    manager.map_global_to_local(e)
+                except ValueError:
+                    return False
+                return True
+            return held
+    return None
 
 
 class CheckpointLoader:
@@ -49,11 +89,12 @@ class CheckpointLoader:
         source: the checkpoint path, prefixed to every error.
         admit: called with every quantized weight and scale before it is used.
         not_from_checkpoint: parameter names filled by someone else (the draft's shared embedding and head).
+        owns_expert: routed expert id -> held by this rank (default: :func:`expert_owner` of ``model``).
     """
 
     def __init__(self, model: nn.Module, spec: DeepseekV4Spec, *, scope: str, dtype: torch.dtype,
                  param_for: Callable[[str], ParamRef], source: str, admit: Admit | None = None,
-                 not_from_checkpoint: Iterable[str] = ()):
+                 not_from_checkpoint: Iterable[str] = (), owns_expert: Callable[[int], bool] | None = None):
         self.spec = spec
         self.scope = scope
         self.param_for = param_for
@@ -66,6 +107,8 @@ class CheckpointLoader:
         self.seen: set[str] = set()
         self.loaded: set[str] = set()
         self.skipped = 0
+        self.owns_expert = owns_expert if owns_expert is not None else expert_owner(model)
+        self.other_ranks = 0  # routed-expert tensors of experts another expert-parallel rank holds
         self.decoded: dict[str, int] = {}
 
     # --------------------------------------------------------------------------------------------- stream
@@ -74,6 +117,9 @@ class CheckpointLoader:
             if name.startswith("mtp.") != (self.scope == DRAFT):
                 self.skipped += 1  # the other model's tensors (the draft shares embed / head with the target)
                 continue
+            if not self._held_here(name):
+                self.other_ranks += 1
+                continue
             if self.admit is not None and (scale_owner(name) or is_quantized_weight(name, t)):
                 self.admit(name, t)
             for d in self.dequantizer.feed(name, t):
@@ -81,6 +127,13 @@ class CheckpointLoader:
         self.dequantizer.finish()
         self._check_complete()
         return self.loaded | self.not_from_checkpoint
+
+    def _held_here(self, name: str) -> bool:
+        """False for a routed expert's tensor (weight or scale) that another expert-parallel rank holds."""
+        if self.owns_expert is None:
+            return True
+        m = _ROUTED_EXPERT.search(name)
+        return m is None or self.owns_expert(int(m[1]))
 
     def _err(self, msg: str) -> ValueError:
         return ValueError(f"{self.source}: {msg}")
@@ -125,7 +178,7 @@ class CheckpointLoader:
         return t
 
     def _check_complete(self) -> None:
-        missing = [n for n in self.slots if n not in self.seen]
+        missing = [n for n in self.slots if n not in self.seen and self._held_here(n)]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise self._err(f"{missing[0]}: tensor missing from the checkpoint{more}")
@@ -134,9 +187,10 @@ class CheckpointLoader:
             raise self._err(f"parameter {unfilled[0]} received no tensor from the checkpoint "
                             f"({len(unfilled)} such parameter(s))")
         decoded = ", ".join(f"{n} {k}" for k, n in sorted(self.decoded.items()))
-        logger.info("DeepSeek-V4 %s weights loaded from %s: %d tensors%s (+%d of the %s skipped)",
+        elsewhere = f"; {self.other_ranks} of experts other expert-parallel ranks hold" if self.other_ranks else ""
+        logger.info("DeepSeek-V4 %s weights loaded from %s: %d tensors%s (+%d of the %s skipped%s)",
                     self.scope, self.source, len(self.seen), f", decoded exactly at load: {decoded}" if decoded else "",
-                    self.skipped, "draft" if self.scope == TARGET else "target")
+                    self.skipped, "draft" if self.scope == TARGET else "target", elsewhere)
 
 
 def _store(param: nn.Parameter, ref: ParamRef, t: torch.Tensor, name: str) -> None:

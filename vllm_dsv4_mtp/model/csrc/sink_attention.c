@@ -1,8 +1,8 @@
 /* DeepSeek-V4's sink attention for query segments (at most 32 queries), read straight from the paged cache's
  * piece table.
  *
- * For query row (b, s) and head h, over the keys it may see (the segment's shared keys not hidden for it, then
- * its own picks not hidden), with the latent as key and value:
+ * For query row (b, s) and head h, over the keys it may see (the segment's shared keys not masked for it, then
+ * its own picks not masked), with the latent as key and value:
  *
  *     o = sum_t exp(l_t) k_t / (sum_t exp(l_t) + exp(sink_h)),   l_t = scale * q . k_t
  *
@@ -84,7 +84,7 @@ typedef struct {
     int64_t q_stride, row_bytes;
     int bf16, S, H, d, K, k;
     const int64_t *shared_idx, *own_idx;
-    const uint8_t *shared_hidden, *own_hidden;
+    const uint8_t *shared_masked, *own_masked;
     const float *sink;
     float scale;
     char *out;
@@ -102,9 +102,9 @@ static void attend_row(const Args *a, Scratch *w, int64_t bs) {
     vf_u *qv = w->qv;
     int n = 0;
     for (int j = 0; j < a->K; j++)
-        if (!a->shared_hidden[bs * a->K + j]) rows[n++] = a->pieces + a->shared_idx[b * a->K + j] * a->row_bytes;
+        if (!a->shared_masked[bs * a->K + j]) rows[n++] = a->pieces + a->shared_idx[b * a->K + j] * a->row_bytes;
     for (int j = 0; j < a->k; j++)
-        if (!a->own_hidden[bs * a->k + j]) rows[n++] = a->pieces + a->own_idx[bs * a->k + j] * a->row_bytes;
+        if (!a->own_masked[bs * a->k + j]) rows[n++] = a->pieces + a->own_idx[bs * a->k + j] * a->row_bytes;
     const char *qrow = a->q + bs * a->q_stride * (a->bf16 ? 2 : 4);
     for (int h = 0; h < H; h++)
         for (int i = 0; i < nv; i++) qv[h * nv + i] = load16(qrow + h * a->row_bytes, a->bf16, i) * a->scale;
@@ -166,11 +166,11 @@ static void attend_row(const Args *a, Scratch *w, int64_t bs) {
 }
 
 /* q: row (b, s) at q + (b S + s) q_stride elements, its heads d apart; pieces: n_pieces rows of d; shared_idx
- * [B, K], shared_hidden [B, S, K] (nonzero: masked); own_idx / own_hidden [B, S, k] (k may be 0); sink [H];
+ * [B, K], shared_masked [B, S, K] (nonzero: masked); own_idx / own_masked [B, S, k] (k may be 0); sink [H];
  * out [B, S, H, d] contiguous; bf16: rows, q and out are bfloat16, else float32 */
 int dsv4_sink_attention(const void *q, int64_t q_stride, const void *pieces, int64_t n_pieces, int bf16,
-                        int B, int S, int H, int d, const int64_t *shared_idx, const uint8_t *shared_hidden, int K,
-                        const int64_t *own_idx, const uint8_t *own_hidden, int k, const float *sink, float scale,
+                        int B, int S, int H, int d, const int64_t *shared_idx, const uint8_t *shared_masked, int K,
+                        const int64_t *own_idx, const uint8_t *own_masked, int k, const float *sink, float scale,
                         void *out) {
     if (d % VL || d / VL > MAX_NV || H < 1) return 3;
     for (int64_t i = 0; i < (int64_t)B * K; i++)
@@ -178,7 +178,7 @@ int dsv4_sink_attention(const void *q, int64_t q_stride, const void *pieces, int
     for (int64_t i = 0; i < (int64_t)B * S * k; i++)
         if (own_idx[i] < 0 || own_idx[i] >= n_pieces) return 2;
     const Args a = {(const char *)q, (const char *)pieces, q_stride, (int64_t)d * (bf16 ? 2 : 4), bf16, S, H, d,
-                    K, k, shared_idx, own_idx, shared_hidden, own_hidden, sink, scale, (char *)out};
+                    K, k, shared_idx, own_idx, shared_masked, own_masked, sink, scale, (char *)out};
     const int ld = ((K + k + VL - 1) / VL) * VL;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)

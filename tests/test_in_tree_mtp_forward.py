@@ -12,9 +12,9 @@ SwiGLU clamp), the hc_head op and the logits processor.
 The checkpoint: BF16, the MTP shared expert's ``w1`` / ``w3`` scaled x8 so its SwiGLU clamp binds (checked:
 its gate pre-activations exceed ``swiglu_limit``), the routed experts' ``w2`` x8 so their output weighs more;
 attention, routed and shared experts each contribute (checked: zeroing any one of them fails the comparison).
-The routed experts are kept below the limit (checked) because vLLM's CPU fused-MoE kernel ignores ``swiglu_limit`` (found by this harness: with the clamp binding there, the
-real MoE matches the reference only with the reference's routed clamp removed); on MI355 AITER's kernel runs
-them, which CPU cannot check.
+The routed experts are kept below the limit (checked) because vLLM's CPU fused-MoE kernel ignores
+``swiglu_limit`` (found by this harness: with the clamp binding there, the real MoE matches the reference only
+with the reference's routed clamp removed); on MI355 AITER's kernel runs them, which CPU cannot check.
 
 Tolerance: relative L2 error of the logits and of the returned pre-hc_head state <= :data:`REL_TOL` (2.5 %), and
 the argmax on >= 90 % of positions; BF16 weights and activations through one block (with bf16 router scores picking

@@ -53,6 +53,10 @@ def test_the_check_itself_sees_0_32_and_a_missing_name():
     installed = Path(inspect.getfile(vllm)).parents[1]
     assert missing_in(installed, plugin_vllm_imports()) == []
     bogus = [VllmImport("x.py", 1, "vllm.model_executor.layers.linear", "NoSuchLinear"),
-             VllmImport("x.py", 2, "vllm.no_such_module", "X")]
+             VllmImport("x.py", 2, "vllm.no_such_module", "X"),
+             VllmImport("x.py", 3, "vllm.no_such_module", "Y", optional=True)]
     assert missing_in(installed, bogus) == ["x.py:1: vllm.model_executor.layers.linear defines no NoSuchLinear",
                                             "x.py:2: module vllm.no_such_module does not exist"]
+    # the plugin's own guarded imports are seen as guarded (cpu_requests probes V1's and V2's interfaces)
+    guarded = {(i.file, i.module) for i in plugin_vllm_imports() if i.optional}
+    assert ("vllm_dsv4_mtp/workarounds/cpu_requests.py", "vllm.v1.sample.logits_processor") in guarded

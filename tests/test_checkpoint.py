@@ -200,3 +200,34 @@ def test_failed_write_leaves_no_shards(tmp_path):
             w.add("b", torch.zeros(4))  # flushes "a"
             raise RuntimeError("boom")
     assert not list(tmp_path.glob("*safetensors*"))
+
+
+@pytest.mark.parametrize("right_last", [False, True])
+def test_tensor_listed_twice_in_the_index_is_named_by_inspect_and_engine(tmp_path, right_last):
+    """Issue 38 item 5: an index naming a tensor twice was blamed on "stored in this shard but ... does not list
+    it here" (wrong shard last), or accepted silently (right shard last). Now ``inspect`` (through
+    ``CheckpointReader``) and the engine's start-up check (``validate_shard_headers``) name the duplicate."""
+    from vllm_dsv4_mtp.formats.shards import validate_shard_headers
+    from vllm_dsv4_mtp.tools.inspect_checkpoint import inspect_checkpoint
+
+    _write(tmp_path, _tensors(), max_shard_bytes=3000)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    right = index["weight_map"]["norm.weight"]
+    wrong = next(s for s in set(index["weight_map"].values()) if s != right)
+    first, second = (wrong, right) if right_last else (right, wrong)
+    entries = [f'"norm.weight": "{first}"'] + [f"{json.dumps(n)}: {json.dumps(s)}" for n, s in
+                                                index["weight_map"].items() if n != "norm.weight"]
+    text = '{"weight_map": {' + ", ".join(entries) + f', "norm.weight": "{second}"' + "}}"
+    (tmp_path / INDEX_FILE).write_text(text)
+    assert text.count('"norm.weight"') == 2
+    want = (f"{tmp_path / INDEX_FILE}: tensor 'norm.weight' is listed twice in weight_map, for '{first}' and for "
+            f"'{second}'; JSON keeps only the last entry, so the index is ambiguous: keep one entry per tensor")
+    with pytest.raises(CheckpointError) as e:
+        CheckpointReader(tmp_path)
+    assert str(e.value) == want
+    with pytest.raises(CheckpointError) as e:
+        validate_shard_headers(tmp_path)
+    assert str(e.value) == want
+    report = inspect_checkpoint(tmp_path)
+    # (this test's checkpoint has no tokenizer files: inspect names that too, as a separate problem)
+    assert [p.message for p in report.problems if p.severity == "error" and p.code != "tokenizer"] == [want]

@@ -87,7 +87,8 @@ def test_gfx950_draft_logits_equal_the_reference(tmp_path, fse, moe_backend):
     assert min(activity["routed_clamped"], activity["shared_clamped"]) > 0.05, activity
     with torch.no_grad():
         want = ref(hidden[:t].view(t, hc, d), ids[:t], pos)
-        lw, lg = ref.logits(want), ref.logits(got[:t].view(t, hc, d))
+        # ReferenceMTP.logits takes [B, T, hc, D] (its hc_head flattens from dim 2)
+        lw, lg = ref.logits(want[None])[0], ref.logits(got[:t].view(1, t, hc, d))[0]
     span = (lw.max() - lw.min()).item()
     assert (lg - lw).abs().max().item() <= 0.05 * span, "draft logits differ beyond BF16 rounding"
     assert (lg.argmax(-1) == lw.argmax(-1)).float().mean().item() >= 0.95

@@ -1,10 +1,10 @@
 """The gfx950 draft's quantization, checked on CPU through vLLM's own ``QuarkConfig`` and layer classes.
 
-vLLM's in-tree AMD MTP layers ask ``vllm_config.quant_config`` for a method with the prefixes listed in
-:data:`vllm_dsv4_mtp.testing.in_tree_mtp.QUANT_PREFIXES` (read from vLLM 0.32's ``amd/mtp.py`` and
-``amd/model.py``; the block's layers are named ``model.layers.{L}.attn.*`` / ``.ffn.*``, not under
-``mtp_block``). For Quark configs with the structure AMD publishes and its variants, this asks vLLM's
-``QuarkConfig`` for each of those prefixes, with the layer classes vLLM builds there:
+vLLM's in-tree AMD MTP layers ask ``vllm_config.quant_config`` for a method with the prefixes the real class's
+layers carry (read from vLLM 0.32's real ``DeepSeekV4MTP`` built on CPU by tests/in_tree_real_worker.py; the
+block's layers are named ``model.layers.{L}.attn.*`` / ``.ffn.*``, not under ``mtp_block``). For Quark
+configs with the structure AMD publishes and its variants, this asks vLLM's ``QuarkConfig`` for each of those
+prefixes, with the layer classes vLLM builds there:
 
 * what vLLM's own draft gets (the control): on 0.32 quantized methods for MTP modules (no per-layer entry
   matches ``model.layers.{L}``, so the global MXFP4 W4A4 scheme applies: vllm-project/vllm#56054); with
@@ -24,7 +24,6 @@ import torch
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.formats.quark_config import fp8_block_layer_config, mxfp4_experts_config, mxfp4_layer_config
-from vllm_dsv4_mtp.testing.in_tree_mtp import QUANT_PREFIXES
 from vllm_dsv4_mtp.testing.published_layouts import amd_quark_config
 from vllm_dsv4_mtp.tools.tiny import tiny_config
 
@@ -98,7 +97,11 @@ def _method(engine_config, qc, layer, prefix: str) -> str:
     if qc is None:
         return "unquantized"
     with set_current_vllm_config(engine_config):
-        weight_key, _, method_cls = qc.get_quant_method_target(prefix, type(layer))
+        if hasattr(qc, "get_quant_method_target"):  # QuarkConfig
+            weight_key, _, method_cls = qc.get_quant_method_target(prefix, type(layer))
+        else:  # the plugin's own config: builds nothing quantized, so ask it for the method itself
+            weight_key, method = None, qc.get_quant_method(layer, prefix)
+            method_cls = type(method) if method is not None else None
     name = method_cls.__name__ if method_cls is not None else "None"
     if name in ("UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "None"):
         return "unquantized"
@@ -118,12 +121,32 @@ def engine_config(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def QUANT_PREFIXES(tmp_path_factory):  # noqa: N802  (the table the tests iterate)
+    """(prefix relative to ``model.layers.{L}``, kind) of every layer of vLLM 0.32's real in-tree MTP class that
+    asks the quantization config for a method, from the class built on CPU."""
+    import json
+
+    from test_in_tree_mtp_real import run_worker
+
+    from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
+
+    out = tmp_path_factory.mktemp("real-prefixes")
+    ckpt = build_tiny_checkpoint(tmp_path_factory.mktemp("real-ckpt") / "bf16", tiny_config(), seed=0)
+    run_worker("0.32.0", out, [dict(name="prefixes", ckpt=str(ckpt), tp=1)])
+    res = json.loads((out / "prefixes-rank0.json").read_text())
+    assert res["error"] is None, res["error"]
+    table = [(p.removeprefix(f"model.layers.{L}."), kind) for p, kind in res["quant_prefixes"]]
+    assert ("ffn.experts", "moe") in table and ("e_proj", "linear") in table and len(table) == 10, table
+    return table
+
+
+@pytest.fixture(scope="module")
 def layers(vllm_dist, engine_config):  # vllm_dist: vLLM's parallel layers are built inside it
     return _layers(engine_config)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_plugin_draft_is_unquantized_for_every_in_tree_prefix(layers, engine_config, variant):
+def test_plugin_draft_is_unquantized_for_every_in_tree_prefix(layers, engine_config, variant, QUANT_PREFIXES):
     from vllm_dsv4_mtp.gfx950.plan import bf16_draft_config
 
     raw = _variants()[variant]
@@ -131,6 +154,7 @@ def test_plugin_draft_is_unquantized_for_every_in_tree_prefix(layers, engine_con
         shared = _quark(raw, align_033=align)
         engine_config.quant_config = shared
         view = bf16_draft_config(engine_config)
+        assert type(view.quant_config).__name__ == "Bf16DraftQuantConfig"
         assert engine_config.quant_config is shared  # the target's config object is not touched
         for rel, kind in QUANT_PREFIXES:
             prefix = f"model.layers.{L}.{rel}"
@@ -138,7 +162,7 @@ def test_plugin_draft_is_unquantized_for_every_in_tree_prefix(layers, engine_con
             assert got == "unquantized", (variant, align, prefix)
 
 
-def test_vllm_own_draft_is_quantized_where_the_plugin_is_not(layers, engine_config):
+def test_vllm_own_draft_is_quantized_where_the_plugin_is_not(layers, engine_config, QUANT_PREFIXES):
     """The control: the same QuarkConfigs give vLLM's in-tree draft quantized methods, so the test above can
     fail (and did, on the plugin's previous draft, whose in-tree attention took the target's config)."""
     v = _variants()

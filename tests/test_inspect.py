@@ -30,12 +30,12 @@ def _json(capsys, path, *flags):
 
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("bf16") / "ckpt", tokenizer=False)
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("bf16") / "ckpt")
 
 
 @pytest.fixture(scope="module")
 def mxfp4(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("mxfp4") / "ckpt", experts="mxfp4", tokenizer=False)
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("mxfp4") / "ckpt", experts="mxfp4")
 
 
 def _rewrite(src, dst, *, drop=lambda n: False, put=None, config=None):
@@ -50,6 +50,7 @@ def _rewrite(src, dst, *, drop=lambda n: False, put=None, config=None):
         for n, t in put.items():
             w.add(n, t)
         w.write_config(config if config is not None else r.config)
+        w.copy_tokenizer_files(src)
     return dst
 
 
@@ -228,7 +229,7 @@ def test_mtp_partly_missing(capsys, bf16, tmp_path):
 def test_no_mtp_declared_is_a_warning(capsys, tmp_path):
     from vllm_dsv4_mtp.tools.tiny import tiny_config
 
-    p = build_tiny_checkpoint(tmp_path, tiny_config(num_nextn_predict_layers=0), tokenizer=False)
+    p = build_tiny_checkpoint(tmp_path, tiny_config(num_nextn_predict_layers=0))
     rc, msgs, rep = _problems(capsys, p)
     assert rc == 0
     assert msgs == [f"{p / 'config.json'}: num_nextn_predict_layers = 0: the checkpoint declares no MTP layer, so "
@@ -389,6 +390,7 @@ def test_missing_shard(capsys, bf16, tmp_path):
         for n in r:
             w.copy_from(r, n)
         w.write_config(r.config)
+        w.copy_tokenizer_files(bf16)
     (p / "model-00003-of-00005.safetensors").unlink()
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1 and len(msgs) == 1
@@ -403,7 +405,7 @@ def test_library_report_matches_cli(bf16):
 
 def test_official_fp8_fp4_layout(capsys, tmp_path):
     """The official release's layout: FP8 linears with .scale, int8 FP4 experts; its MTP is quantized too."""
-    p = build_tiny_checkpoint(tmp_path, experts="fp4-official", linears="fp8", tokenizer=False)
+    p = build_tiny_checkpoint(tmp_path, experts="fp4-official", linears="fp8")
     rc, msgs, rep = _problems(capsys, p, "--refuse-quantized-mtp")
     assert rc == 1 and all(": MTP tensor stored " in m for m in msgs)
     rc, _, rep = _problems(capsys, p)
@@ -455,6 +457,7 @@ def _sharded(bf16, p):
         for n in r:
             w.copy_from(r, n)
         w.write_config(r.config)
+        w.copy_tokenizer_files(bf16)
     return p
 
 
@@ -480,3 +483,4 @@ def test_every_truncated_shard_is_named(capsys, bf16, tmp_path):
         got = re.fullmatch(rf"{re.escape(str(p / name))}: truncated safetensors file: its header describes (\d+) "
                            rf"data bytes \(through tensor '[\w.]+'\) but the file holds only (\d+)", m)
         assert got and int(got.group(1)) - int(got.group(2)) == 100, m
+

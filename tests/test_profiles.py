@@ -123,6 +123,8 @@ VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1 \\
   --config-format dsv4_mtp \\
   --reasoning-parser deepseek_v4 \\
   --trust-remote-code \\
+  --shutdown-timeout 60 \\
+  --middleware vllm_dsv4_mtp.serve.shutdown.EndStreamsOnShutdown \\
   --host 0.0.0.0 \\
   --port 8000"""
 

@@ -190,7 +190,7 @@ def test_unsupported_vllm_is_refused_before_starting(monkeypatch, capsys, tmp_pa
     monkeypatch.setattr(cli.os, "execve", lambda *a: pytest.fail("must not start an unsupported vLLM"))
     rc = cli.run(["--profile", "cpu-tiny", str(tmp_path)])
     assert rc == 2
-    assert ("vllm 0.31.2 is installed, but vllm-dsv4-mtp supports vLLM >=0.32,<0.34" in capsys.readouterr().err)
+    assert ("vllm 0.31.2 is installed, but vllm-dsv4-mtp supports vLLM >=0.32,<0.35" in capsys.readouterr().err)
 
 
 PRO_TP8_HEADER = [

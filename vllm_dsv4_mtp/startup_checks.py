@@ -50,6 +50,29 @@ def check_config(model: str | Path, config: dict, *, mtp_draft: bool) -> None:
             f"speculative_config method 'mtp'; serve it without a speculative config")
 
 
+def _own_tokenizer_wanted(argv: list[str] | None = None) -> bool:
+    """Will vLLM load the checkpoint's own tokenizer? Not with ``--tokenizer DIR`` or ``--skip-tokenizer-init`` on
+    the server's command line (a config parser is not told vLLM's tokenizer arguments; ``LLM(tokenizer=...)``
+    with this config format is not seen, see docs/bad-inputs.md)."""
+    import sys
+
+    args = sys.argv if argv is None else argv
+    return not any(a.split("=", 1)[0].replace("_", "-") in ("--tokenizer", "--skip-tokenizer-init") for a in args)
+
+
+def check_tokenizer(model: str | Path) -> None:
+    """The checkpoint folder's tokenizer files, as ``dsv4-mtp inspect`` checks them (same messages). vLLM loads the
+    tokenizer in the API server before the engine (and any model code) starts, so this is the plugin's one chance
+    to name the folder and the files before transformers' ``Couldn't instantiate the backend tokenizer``."""
+    from vllm_dsv4_mtp.formats.checkpoint import tokenizer_problems
+
+    if not _own_tokenizer_wanted():
+        return
+    problems = tokenizer_problems(model)
+    if problems:
+        raise StartupCheckError("; ".join(problems))
+
+
 def _is_mtp_draft(config, hf_overrides) -> bool:
     """Is vLLM parsing this config for the MTP draft? Its ``hf_overrides`` then turn a DeepSeek-V4 config into
     the draft architecture (applied here to a copy, as vLLM's own parser probes them)."""
@@ -83,4 +106,29 @@ def register_config_format() -> None:
             if config_dict.get("model_type") == "deepseek_v4":
                 raw = {**config_dict, **overrides} if isinstance(overrides, dict) else config_dict
                 check_config(model, raw, mtp_draft=_is_mtp_draft(config, overrides))
+                check_tokenizer(model)
             return config_dict, config
+
+
+def check_step_budget(vllm_config) -> None:
+    """Refuse an engine in which a prompt the server accepts could never be scheduled (issue 38, item 4).
+
+    Without chunked prefill a prompt must fit one step's token budget whole. vLLM checks that against
+    ``--max-model-len`` when chunked prefill is off on the command line, but on CPU its platform turns chunked
+    prefill off later for ``model_type: deepseek_v4`` (vLLM sees MLA; ``VLLM_MLA_DISABLE=1`` keeps it on), after
+    that check: it raises ``max_num_batched_tokens`` but, with speculative decoding, the scheduler's own
+    ``max_num_scheduled_tokens`` keeps the value given, and a longer prompt then waits forever with no error.
+    The portable target calls this while the engine starts, so the flags are named before any request.
+    """
+    sched = vllm_config.scheduler_config
+    if sched.enable_chunked_prefill:
+        return
+    budget = min(b for b in (sched.max_num_batched_tokens, sched.max_num_scheduled_tokens) if b is not None)
+    max_len = vllm_config.model_config.max_model_len
+    if budget < max_len:
+        raise StartupCheckError(
+            f"a prompt longer than {budget} tokens could never be scheduled, so it would wait forever: chunked "
+            f"prefill is off (vLLM's CPU platform turns it off for model_type deepseek_v4 unless "
+            f"VLLM_MLA_DISABLE=1) and a step schedules at most {budget} tokens (--max-num-batched-tokens), "
+            f"while --max-model-len is {max_len}. Give --max-num-batched-tokens >= {max_len}, lower "
+            f"--max-model-len, or keep chunked prefill on with VLLM_MLA_DISABLE=1")

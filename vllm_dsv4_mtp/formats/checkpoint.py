@@ -49,6 +49,7 @@ __all__ = [
     "validate_shard_headers",
     "weight_files",
     "TOKENIZER_FILES",
+    "tokenizer_problems",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -65,6 +66,39 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
+
+
+def tokenizer_problems(path: str | Path) -> list[str]:
+    """What keeps vLLM from loading the checkpoint's own tokenizer, one message per problem (empty: loadable as
+    far as files go). A DeepSeek-V4 tokenizer is a fast (Rust) tokenizer: ``tokenizer.json`` plus
+    ``tokenizer_config.json``; a sentencepiece ``tokenizer.model`` can stand in for ``tokenizer.json``. Without
+    them transformers says ``Couldn't instantiate the backend tokenizer ... install sentencepiece``, which names
+    neither the folder nor the files."""
+    d = Path(path)
+    if not d.is_dir():
+        return []
+    problems = []
+    wanted = ("tokenizer.json", "tokenizer_config.json")
+    present = [n for n in wanted + ("tokenizer.model",) if (d / n).exists()]
+    if not (d / "tokenizer.json").exists() and not (d / "tokenizer.model").exists():
+        have = f"it has {', '.join(present)}" if present else "it has none of them"
+        problems.append(f"{d}: no tokenizer: expected tokenizer.json (or a sentencepiece tokenizer.model) and "
+                        f"tokenizer_config.json in the checkpoint folder, {have}; copy the tokenizer files of the "
+                        f"checkpoint this one was made from, or serve with --tokenizer DIR")
+    elif not (d / "tokenizer_config.json").exists():
+        problems.append(f"{d}: no tokenizer_config.json beside {present[0]} (it says the tokenizer class and the "
+                        f"special tokens); copy it from the checkpoint this one was made from")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        f = d / name
+        if not f.exists():
+            continue
+        try:
+            json.loads(f.read_bytes())
+        except OSError as e:
+            problems.append(f"{f}: unreadable: {e.strerror or e}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            problems.append(f"{f}: not valid JSON: {e}")
+    return problems
 
 class CheckpointReader:
     """A DeepSeek-V4 checkpoint directory, opened header-only.

@@ -159,13 +159,32 @@ def index_shards(index: Path) -> dict[str, list[str]]:
 
 
 def _read_weight_map(index: Path) -> dict[str, str]:
+    """The index's ``weight_map``. A tensor named twice in it is an error: JSON readers (Python's, vLLM's, the
+    safetensors tools') silently keep the last entry, so which shard is meant depends on the order written."""
+    repeated: list[tuple[str, object, object]] = []
+
+    def pairs(items):
+        obj: dict = {}
+        for key, value in items:
+            if key in obj:
+                repeated.append((key, obj[key], value))
+            obj[key] = value
+        return obj
+
     try:
-        data = json.loads(index.read_text())
+        data = json.loads(index.read_text(), object_pairs_hook=pairs)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{index}: not valid JSON: {e}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+    twice = [(k, a, b) for k, a, b in repeated if k in weight_map and isinstance(b, str)]
+    if twice:
+        name, first, second = twice[0]
+        more = f" (and {len(twice) - 1} more tensor(s) listed twice)" if len(twice) > 1 else ""
+        raise CheckpointError(f"{index}: tensor '{name}' is listed twice in weight_map, for '{first}' and for "
+                              f"'{second}'{more}; JSON keeps only the last entry, so the index is ambiguous: "
+                              f"keep one entry per tensor")
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
             raise CheckpointError(f"{index}: weight_map entry for tensor '{name}' is not a file name: {shard!r}")

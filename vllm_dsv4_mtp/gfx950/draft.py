@@ -2,7 +2,8 @@
 
 Only imported where :mod:`vllm_dsv4_mtp.platform` chose ``IN_TREE`` (its parent module needs ROCm and AITER).
 Forward, ``compute_logits`` and the module tree are vLLM's own; the plugin changes what they are built from
-(:func:`.plan.bf16_draft_config`) and how they are loaded (strict, quantized MTP tensors decoded to BF16).
+(:func:`.plan.bf16_draft_config`: no quantization, no fused shared expert, none of the target's FP4-only kernel
+settings, each difference logged) and how they are loaded (strict, quantized MTP tensors decoded to BF16).
 """
 
 from __future__ import annotations
@@ -10,12 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from vllm._aiter_ops import rocm_aiter_ops
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.models.deepseek_v4.amd.mtp import DeepSeekV4MTP
 
 from vllm_dsv4_mtp import draft_policy
-from vllm_dsv4_mtp.gfx950.plan import bf16_draft_config, in_tree_param_map, shared_with_target
+from vllm_dsv4_mtp.gfx950.plan import (
+    bf16_draft_config,
+    draft_view_changes,
+    in_tree_param_map,
+    refuse_draft_kernels,
+    shared_with_target,
+)
 from vllm_dsv4_mtp.weights.loader import DRAFT, CheckpointLoader
 
 logger = init_logger("vllm.dsv4_mtp.gfx950")
@@ -27,12 +35,14 @@ class DeepSeekV4MTPModel(DeepSeekV4MTP):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         mc = vllm_config.model_config
         plan = draft_policy.check_draft(mc.hf_config, mc.model, mc.dtype)
-        super().__init__(vllm_config=bf16_draft_config(vllm_config), prefix=prefix)
+        refuse_draft_kernels(vllm_config)
+        changes = draft_view_changes(vllm_config, fse_requested=bool(
+            rocm_aiter_ops.is_fusion_moe_shared_experts_enabled()))
+        for change in changes:
+            logger.info(change.message())
+        super().__init__(vllm_config=bf16_draft_config(vllm_config, changes), prefix=prefix)
         self.plan = plan
         ffn = self.model.layers[str(plan.spec.num_hidden_layers)].mtp_block.ffn
-        if ffn.use_mega_moe:
-            raise ValueError("the BF16 MTP draft cannot run on --moe-backend aiter_mega_moe (FP4 experts only); "
-                             "give the draft another backend with speculative_config 'moe_backend'")
         self.fused_shared_expert = ffn.is_fused_shared_expert_enabled
         logger.info("vllm-dsv4-mtp: DeepSeek-V4 MTP draft = vLLM's in-tree AMD MTP layers in BF16 (%s, fused "
                     "shared expert: %s; quantized MTP weights: %s)", plan.dtype, self.fused_shared_expert,

@@ -32,6 +32,7 @@ from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.quantization import layer_rounding
+from vllm_dsv4_mtp.startup_checks import check_step_budget
 from vllm_dsv4_mtp.weights.loader import TARGET, CheckpointLoader
 from vllm_dsv4_mtp.weights.names import target_param
 
@@ -87,6 +88,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         validate_shard_headers(vllm_config.model_config.model)  # a truncated/missing shard named before vLLM reads it
+        check_step_budget(vllm_config)  # no prompt that waits forever (chunked prefill off, budget < max-model-len)
         self.config = vllm_config.model_config.hf_config
         self.vllm_config = vllm_config
         self.source = vllm_config.model_config.model

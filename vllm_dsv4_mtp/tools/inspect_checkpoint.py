@@ -37,7 +37,7 @@ from vllm_dsv4_mtp.config import (
     packed_fp4_shape,
     weight_slots,
 )
-from vllm_dsv4_mtp.formats.checkpoint import CheckpointError, CheckpointReader
+from vllm_dsv4_mtp.formats.checkpoint import CheckpointError, CheckpointReader, tokenizer_problems
 from vllm_dsv4_mtp.tools.inspect_report import KIND_LABELS, InspectReport, KindSummary, Problem
 
 __all__ = ["Problem", "KindSummary", "InspectReport", "inspect_checkpoint", "KIND_LABELS"]
@@ -260,6 +260,7 @@ class _Inspector:
             return
         found = sorted(set(quantized.values()))
         rep.quantization = "quark" + (f" ({', '.join(found)} stored)" if found else "")
+        excluded_mtp: list[str] = []
         for name, slot in slots.items():
             if name not in self.r or not (name.endswith(".weight") and len(slot.shape) == 2):
                 continue
@@ -273,9 +274,22 @@ class _Inspector:
                 if str(e) not in rep.messages():
                     self.problem("quant-config", name, str(e))
                 continue
-            message = _quark_mismatch(name, module, self.stored_precision.get(name, "bf16"), excluded, wanted)
+            stored = self.stored_precision.get(name, "bf16")
+            if excluded and name.startswith("mtp.") and stored == "mxfp4" and self.allow_quantized_mtp:
+                excluded_mtp.append(name)  # see below: the draft reads the format from the tensors
+                continue
+            message = _quark_mismatch(name, module, stored, excluded, wanted)
             if message:
                 self.problem("quant-config", name, message)
+        if excluded_mtp:
+            # the engine serves this: the plugin's draft never asks quantization_config about the MTP layer; it
+            # takes the format from the stored weight and its scale and decodes it exactly to BF16
+            self.problem("quant-config", None,
+                         f"{len(excluded_mtp)} MTP tensor(s) stored mxfp4 although quantization_config excludes "
+                         f"them (e.g. '{excluded_mtp[0]}'): the plugin's BF16 MTP draft takes the format from the "
+                         f"stored tensors, not from quantization_config, and decodes them exactly to BF16, so the "
+                         f"engine serves it; vLLM's own quantized MTP (a stored-precision draft) would read them "
+                         f"as unquantized", "warning")
 
     def unexpected_reason(self, name: str) -> str:
         spec = self.spec
@@ -350,6 +364,8 @@ def inspect_checkpoint(path: str | Path, *, allow_quantized_mtp: bool | None = N
 
         allow_quantized_mtp = quantized_mtp_option() != REFUSE
     report = InspectReport(path=str(path), for_mtp=mtp)
+    for message in tokenizer_problems(path):  # the engine's config parser says the same (startup_checks.py)
+        report.problems.append(Problem("error", "tokenizer", None, message))
     try:
         reader = CheckpointReader(path)
     except CheckpointError as e:

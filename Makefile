@@ -7,14 +7,19 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test demo clean
+.PHONY: setup lint test demo clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py scripts/setup_env.sh
 	bash scripts/setup_env.sh
 
-test: $(STAMP)
+# ruff (vLLM's own linter and formatter, pinned in the test extra): lint and format checks before every test run
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest tests
 
 demo: $(STAMP)

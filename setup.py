@@ -13,9 +13,10 @@ whole tree).
 from setuptools import find_packages, setup
 
 setup(
-    packages=find_packages(include=["vllm_dsv4_mtp*"],
-                           exclude=["vllm_dsv4_mtp.embedded.training*", "vllm_dsv4_mtp.reference*",
-                                    "vllm_dsv4_mtp.testing*"])
+    packages=find_packages(
+        include=["vllm_dsv4_mtp*"],
+        exclude=["vllm_dsv4_mtp.embedded.training*", "vllm_dsv4_mtp.reference*", "vllm_dsv4_mtp.testing*"],
+    )
     + ["vllm_dsv4_mtp.quant"],
     package_dir={"vllm_dsv4_mtp.quant": "quant"},
 )

@@ -36,8 +36,19 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["Busy", "Interrupted", "WorkDir", "sweep", "sync_tree", "publish", "discard", "crash_point",
-           "signals_interrupt", "signals_deferred", "CRASH_ENV"]
+__all__ = [
+    "Busy",
+    "Interrupted",
+    "WorkDir",
+    "sweep",
+    "sync_tree",
+    "publish",
+    "discard",
+    "crash_point",
+    "signals_interrupt",
+    "signals_deferred",
+    "CRASH_ENV",
+]
 
 CRASH_ENV = "DSV4_MTP_QUANTIZE_CRASH_AT"
 _RENAME_EXCHANGE = 2  # <linux/fs.h>
@@ -162,13 +173,17 @@ def sweep(dst: Path) -> list[str]:
         kind, pid = pattern.match(p.name).groups()
         fd = _lock(p) if p.is_dir() else None
         if p.is_dir() and fd is None:
-            raise Busy(f"{dst}: another dsv4-mtp quantize (pid {pid}) is writing it now ({p} is locked); "
-                               f"wait for it to finish or stop it")
+            raise Busy(
+                f"{dst}: another dsv4-mtp quantize (pid {pid}) is writing it now ({p} is locked); "
+                f"wait for it to finish or stop it"
+            )
         try:
             if kind == "old" and not dst.exists() and p.is_dir():
                 os.rename(p, dst)
-                notes.append(f"{dst}: restored the previous output from {p.name}, left by a run (pid {pid}) "
-                             f"interrupted while replacing it")
+                notes.append(
+                    f"{dst}: restored the previous output from {p.name}, left by a run (pid {pid}) "
+                    f"interrupted while replacing it"
+                )
                 continue
             mib = _size(p) / 2**20 if p.is_dir() else p.stat().st_size / 2**20
             shutil.rmtree(p) if p.is_dir() else p.unlink()

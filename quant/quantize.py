@@ -145,9 +145,11 @@ class _Converter:
             self.nonfinite(name, found)
 
     def nonfinite(self, name: str, found: str) -> None:
-        raise QuantizeError(f"{self.where(name)}: non-finite values in the source ({found}): a broken or corrupted "
-                            f"weight cannot be quantized (`dsv4-mtp inspect --scan-values {self.r.path}` lists "
-                            f"every such tensor)")
+        raise QuantizeError(
+            f"{self.where(name)}: non-finite values in the source ({found}): a broken or corrupted "
+            f"weight cannot be quantized (`dsv4-mtp inspect --scan-values {self.r.path}` lists "
+            f"every such tensor)"
+        )
 
     def fp4_pair(self, name: str, scale: str | None) -> bool:
         """Is ``name`` + ``scale`` an MXFP4 pair (packed bytes ``[out, k/2]`` + E8M0 ``[out, k/32]``)? Checks shapes."""
@@ -155,15 +157,18 @@ class _Converter:
         if wi.dtype not in _PACKED_FP4:
             return False
         if scale is None:
-            raise QuantizeError(f"{self.where(name)}: packed FP4 weight ({wi.dtype}) without a scale tensor "
-                                f"(expected {_module(name)}.scale or .weight_scale)")
+            raise QuantizeError(
+                f"{self.where(name)}: packed FP4 weight ({wi.dtype}) without a scale tensor "
+                f"(expected {_module(name)}.scale or .weight_scale)"
+            )
         si = self.r.info(scale)
         want = (wi.shape[0], wi.shape[1] * 2 // 32) if len(wi.shape) == 2 else None
         if si.dtype not in _E8M0 or want is None or (wi.shape[1] * 2) % 32 or tuple(si.shape) != want:
             raise QuantizeError(
                 f"{self.where(name)}: packed FP4 weight {wi.dtype} {list(wi.shape)} needs an E8M0 scale "
                 f"{list(want) if want else '[out, in/32]'} (F8_E8M0 or U8), but {scale} is {si.dtype} "
-                f"{list(si.shape)}")
+                f"{list(si.shape)}"
+            )
         return True
 
     def fp8_pair(self, name: str, scale: str | None) -> bool:
@@ -171,15 +176,18 @@ class _Converter:
         if wi.dtype != "F8_E4M3":
             return False
         if scale is None:
-            raise QuantizeError(f"{self.where(name)}: FP8 weight without a block scale tensor "
-                                f"(expected {_module(name)}.scale)")
+            raise QuantizeError(
+                f"{self.where(name)}: FP8 weight without a block scale tensor (expected {_module(name)}.scale)"
+            )
         from vllm_dsv4_mtp.formats.fp8 import block_scale_shape
 
         si = self.r.info(scale)
         want = block_scale_shape(wi.shape)
         if tuple(si.shape) != want or si.dtype not in ("F8_E8M0", "U8", "F32"):
-            raise QuantizeError(f"{self.where(name)}: FP8 weight {list(wi.shape)} needs a block scale "
-                                f"{list(want)} (F8_E8M0, U8 or F32), but {scale} is {si.dtype} {list(si.shape)}")
+            raise QuantizeError(
+                f"{self.where(name)}: FP8 weight {list(wi.shape)} needs a block scale "
+                f"{list(want)} (F8_E8M0, U8 or F32), but {scale} is {si.dtype} {list(si.shape)}"
+            )
         return True
 
     def decode(self, name: str, scale: str | None):
@@ -233,8 +241,10 @@ class _Converter:
 
         if self.r.info(name).dtype in _FLOAT:
             if scale is not None:
-                raise QuantizeError(f"{self.where(name)}: {self.r.info(name).dtype} weight has a scale tensor "
-                                    f"{scale}; only FP8 and FP4 weights carry scales")
+                raise QuantizeError(
+                    f"{self.where(name)}: {self.r.info(name).dtype} weight has a scale tensor "
+                    f"{scale}; only FP8 and FP4 weights carry scales"
+                )
             self.copy(name)
             return
         from vllm_dsv4_mtp.formats.finite import describe_nonfinite
@@ -309,12 +319,13 @@ class _Converter:
         if info.dtype in _PACKED_FP4 and scale is not None:
             raise QuantizeError(f"{self.where(name)}: packed FP4 storage is only expected for routed experts")
         if scale is not None:
-            raise QuantizeError(f"{self.where(name)}: {info.dtype} weight has a scale tensor {scale}; only FP8 "
-                                f"(F8_E4M3) and FP4 (I8/U8) weights carry scales")
+            raise QuantizeError(
+                f"{self.where(name)}: {info.dtype} weight has a scale tensor {scale}; only FP8 "
+                f"(F8_E4M3) and FP4 (I8/U8) weights carry scales"
+            )
         self.copy(name)
         if linear:
             self.exclude.add(_module(name))
-
 
     def convert_mtp_amd(self, name: str, scale: str | None, linear: bool) -> None:
         """``--mtp amd``: one MTP weight as AMD's export stores it (module docstring)."""
@@ -345,15 +356,15 @@ def _preflight(src: Path, allow_missing_mtp: bool, mtp: str = "bf16") -> list[st
     if errors:
         shown = "\n  ".join(p.message for p in errors[:20])
         more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
-        raise QuantizeError(f"{src}: the source checkpoint has {len(errors)} problem(s) "
-                            f"(dsv4-mtp inspect {src}):\n  {shown}{more}")
+        raise QuantizeError(
+            f"{src}: the source checkpoint has {len(errors)} problem(s) (dsv4-mtp inspect {src}):\n  {shown}{more}"
+        )
     notes = [p for p in report.problems if p.severity == "warning" or p.code in soft]
     out: list[str] = []
     mtp_q = [p for p in notes if p.code == "mtp-quantized"]
     if mtp_q:  # the official release: expected, and handled (decoded to BF16, or --mtp amd's layout)
         what = "decoded to BF16" if mtp == "bf16" else "stored as AMD's export stores them"
-        out.append(f"{src}: {len(mtp_q)} MTP weight(s) stored quantized (e.g. {mtp_q[0].tensor}); "
-                   f"{what} in the output")
+        out.append(f"{src}: {len(mtp_q)} MTP weight(s) stored quantized (e.g. {mtp_q[0].tensor}); {what} in the output")
     rest = [p for p in notes if p.code != "mtp-quantized"]
     out += [p.message for p in rest[:10]]
     if len(rest) > 10:
@@ -373,9 +384,18 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
         raise QuantizeError(f"{dst}: already exists and is not empty; pass --force to replace it")
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, *, shared_experts: str = "keep", force: bool = False,
-                        max_shard_bytes: int | None = None, progress: bool = True, check: bool = True,
-                        allow_missing_mtp: bool = False, mtp: str = "bf16") -> QuantizeReport:
+def quantize_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    shared_experts: str = "keep",
+    force: bool = False,
+    max_shard_bytes: int | None = None,
+    progress: bool = True,
+    check: bool = True,
+    allow_missing_mtp: bool = False,
+    mtp: str = "bf16",
+) -> QuantizeReport:
     """Convert SRC (BF16, or the official FP8/FP4 release) into DST with Quark MXFP4 experts and a BF16 MTP
     (``mtp="amd"``: the MTP layer as AMD's export stores it, module docstring).
 
@@ -392,14 +412,21 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, shared_experts: str
     swept = _sweep(dst)  # first: a previous output hidden by an interrupted run is put back before DST is judged
     _check_paths(src, dst, force)
     reader, cfg, spec = _open_source(src)
-    report = QuantizeReport(src=str(src), dst=str(dst),
-                            source_quantization="fp8 (official)" if cfg.get("quantization_config") else "none",
-                            bytes_in=reader.total_bytes, shards_in=len(reader.shards), warnings=swept)
+    report = QuantizeReport(
+        src=str(src),
+        dst=str(dst),
+        source_quantization="fp8 (official)" if cfg.get("quantization_config") else "none",
+        bytes_in=reader.total_bytes,
+        shards_in=len(reader.shards),
+        warnings=swept,
+    )
     if check:
         report.warnings += _preflight(src, allow_missing_mtp, mtp)
     if spec.num_nextn_predict_layers and not any(n.startswith("mtp.") for n in reader):
-        report.warnings.append(f"{src}: config declares {spec.num_nextn_predict_layers} MTP layer(s) but no "
-                               f"mtp.* tensors are stored; the output has no MTP draft either")
+        report.warnings.append(
+            f"{src}: config declares {spec.num_nextn_predict_layers} MTP layer(s) but no "
+            f"mtp.* tensors are stored; the output has no MTP draft either"
+        )
     if max_shard_bytes is None:
         max_shard_bytes = max(p.stat().st_size for p in reader.shards)
     _check_space(reader, dst, shared_experts, mtp)
@@ -407,16 +434,26 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, shared_experts: str
     with signals_interrupt():
         work, published = WorkDir(dst), False
         try:
-            _write_output(reader, cfg, work.path, shared_experts=shared_experts, max_shard_bytes=max_shard_bytes,
-                          progress=progress, report=report, mtp=mtp)
+            _write_output(
+                reader,
+                cfg,
+                work.path,
+                shared_experts=shared_experts,
+                max_shard_bytes=max_shard_bytes,
+                progress=progress,
+                report=report,
+                mtp=mtp,
+            )
             sync_tree(work.path)
             crash_point("synced")
             with signals_deferred():  # an interrupt arriving now is raised once DST is the complete new output
                 atomic = publish(work, dst)
                 published = True
             if not atomic:
-                report.warnings.append(f"{dst.parent}: the filesystem cannot exchange directories atomically "
-                                       f"(renameat2 RENAME_EXCHANGE); DST was replaced in two renames")
+                report.warnings.append(
+                    f"{dst.parent}: the filesystem cannot exchange directories atomically "
+                    f"(renameat2 RENAME_EXCHANGE); DST was replaced in two renames"
+                )
         except BaseException as e:
             discard(work, dst)
             if isinstance(e, OSError):
@@ -431,14 +468,16 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, shared_experts: str
 
 
 def _sweep(dst: Path) -> list[str]:
-    """Leftovers of interrupted runs next to DST, dealt with (vllm_dsv4_mtp.quant.publish.sweep) and reported on stderr."""
+    """Leftovers of interrupted runs next to DST, dealt with (vllm_dsv4_mtp.quant.publish.sweep) and reported on
+    stderr."""
     try:
         notes = sweep(dst)
     except Busy as e:
         raise QuantizeError(str(e)) from None
     except OSError as e:
-        raise QuantizeError(f"{e.filename or dst.parent}: cannot clean up an earlier run's leftovers: "
-                            f"{e.strerror}") from None
+        raise QuantizeError(
+            f"{e.filename or dst.parent}: cannot clean up an earlier run's leftovers: {e.strerror}"
+        ) from None
     for n in notes:  # at once, not only in the final report: the run may still fail afterwards
         print(f"dsv4-mtp quantize: {n}", file=sys.stderr)
     return notes
@@ -474,8 +513,11 @@ def _output_bytes(reader, shared_experts: str, mtp: str = "bf16") -> int:
 
 
 def _is_expert(name: str, shared_experts: str, mtp: str = "bf16") -> bool:
-    return bool(ROUTED_EXPERT.match(name) or (SHARED_EXPERT.match(name) and shared_experts == "mxfp4")
-                or (MTP_ROUTED_EXPERT.match(name) and mtp == "amd"))
+    return bool(
+        ROUTED_EXPERT.match(name)
+        or (SHARED_EXPERT.match(name) and shared_experts == "mxfp4")
+        or (MTP_ROUTED_EXPERT.match(name) and mtp == "amd")
+    )
 
 
 def _check_space(reader, dst: Path, shared_experts: str, mtp: str = "bf16") -> None:
@@ -484,10 +526,15 @@ def _check_space(reader, dst: Path, shared_experts: str, mtp: str = "bf16") -> N
     dst.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(dst.parent).free
     if free < need:
-        both = (" (the current DST stays in place until the new output is complete, so both must fit)"
-                if dst.exists() else "")
-        raise QuantizeError(f"{dst.parent}: not enough free space for the output: it needs about "
-                            f"{need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free{both}")
+        both = (
+            " (the current DST stays in place until the new output is complete, so both must fit)"
+            if dst.exists()
+            else ""
+        )
+        raise QuantizeError(
+            f"{dst.parent}: not enough free space for the output: it needs about "
+            f"{need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free{both}"
+        )
 
 
 def _open_source(src: Path):
@@ -506,13 +553,26 @@ def _open_source(src: Path):
     if qc is not None and method != "fp8":
         raise QuantizeError(
             f"{src / 'config.json'}: quantization_config.quant_method is {method!r}: "
-            + ("the checkpoint is already Quark-quantized" if method == "quark"
-               else "expected no quantization_config (BF16) or the official 'fp8' release"))
+            + (
+                "the checkpoint is already Quark-quantized"
+                if method == "quark"
+                else "expected no quantization_config (BF16) or the official 'fp8' release"
+            )
+        )
     return reader, cfg, spec
 
 
-def _write_output(reader, cfg: dict[str, Any], tmp: Path, *, shared_experts: str, max_shard_bytes: int,
-                  progress: bool, report: QuantizeReport, mtp: str = "bf16") -> None:
+def _write_output(
+    reader,
+    cfg: dict[str, Any],
+    tmp: Path,
+    *,
+    shared_experts: str,
+    max_shard_bytes: int,
+    progress: bool,
+    report: QuantizeReport,
+    mtp: str = "bf16",
+) -> None:
     """The whole converted checkpoint into TMP: tensors shard by shard, config.json with the Quark config, the
     other files of SRC; then read back (a valid checkpoint whose Quark config parses)."""
     from tqdm import tqdm
@@ -523,8 +583,7 @@ def _write_output(reader, cfg: dict[str, Any], tmp: Path, *, shared_experts: str
     writer = CheckpointWriter(tmp, max_shard_bytes=max_shard_bytes, always_index=reader.index_file is not None)
     conv = _Converter(reader, writer, shared_experts, report, mtp)
     done = 0
-    with writer, tqdm(total=len(reader), unit="tensor", desc="quantize", disable=not progress,
-                      file=sys.stderr) as bar:
+    with writer, tqdm(total=len(reader), unit="tensor", desc="quantize", disable=not progress, file=sys.stderr) as bar:
         for shard in reader.shards:
             bar.set_postfix_str(shard.name)
             for name in reader.shard_names(shard):
@@ -533,9 +592,9 @@ def _write_output(reader, cfg: dict[str, Any], tmp: Path, *, shared_experts: str
                 done += 1
                 bar.update(1)
         out_cfg = dict(cfg)
-        out_cfg["quantization_config"] = mxfp4_experts_config(sorted(conv.exclude),
-                                                              layer_quant_config={**conv.fp8_layers,
-                                                                                  **conv.mtp_layers})
+        out_cfg["quantization_config"] = mxfp4_experts_config(
+            sorted(conv.exclude), layer_quant_config={**conv.fp8_layers, **conv.mtp_layers}
+        )
         if "expert_dtype" in out_cfg:
             out_cfg["expert_dtype"] = "fp4"  # the experts are now MXFP4
         writer.write_config(out_cfg)

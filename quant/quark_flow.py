@@ -59,8 +59,9 @@ def quark_exclude(shared_experts: str) -> list[str]:
     return exclude
 
 
-def run_quark_flow(src: str | Path, dst: str | Path, *, device: str | None = None, shared_experts: str = "keep",
-                   force: bool = False) -> Path:
+def run_quark_flow(
+    src: str | Path, dst: str | Path, *, device: str | None = None, shared_experts: str = "keep", force: bool = False
+) -> Path:
     """Run Quark's file-to-file MXFP4 flow SRC -> DST; returns DST. Raises :class:`QuantizeError`."""
     src, dst = Path(src), Path(dst)
     if shared_experts not in ("keep", "mxfp4"):
@@ -75,7 +76,8 @@ def run_quark_flow(src: str | Path, dst: str | Path, *, device: str | None = Non
         raise QuantizeError(
             f"{src}: FP8 source on device 'cpu': amd-quark dequantizes FP8 with a Triton GPU kernel and, on CPU, "
             f"logs an error and writes nothing. Run with --device cuda on a GPU, or use `dsv4-mtp quantize` "
-            f"(CPU, re-encodes the official FP4 experts losslessly)")
+            f"(CPU, re-encodes the official FP4 experts losslessly)"
+        )
 
     from quark.torch import LLMTemplate, ModelQuantizer
 
@@ -85,8 +87,8 @@ def run_quark_flow(src: str | Path, dst: str | Path, *, device: str | None = Non
         work = WorkDir(dst)
         try:
             ModelQuantizer(config).direct_quantize_checkpoint(
-                str(src), str(work.path), keep_excluded_layers_as_original_model_state=quantized_source,
-                device=device)
+                str(src), str(work.path), keep_excluded_layers_as_original_model_state=quantized_source, device=device
+            )
             _check_quark_output(work.path, src)
             sync_tree(work.path)
             with signals_deferred():
@@ -103,8 +105,10 @@ def _check_quark_output(out: Path, src: Path) -> None:
     cfg_file = out / "config.json"
     shards = list(out.glob("*.safetensors")) if out.is_dir() else []
     if not cfg_file.is_file() or not shards:
-        raise QuantizeError(f"amd-quark wrote no checkpoint for {src} (no config.json or safetensors in its "
-                            f"output); see its QUARK-ERROR log lines above")
+        raise QuantizeError(
+            f"amd-quark wrote no checkpoint for {src} (no config.json or safetensors in its "
+            f"output); see its QUARK-ERROR log lines above"
+        )
     qc = json.loads(cfg_file.read_text()).get("quantization_config") or {}
     if qc.get("quant_method") != "quark":
         raise QuantizeError(f"{cfg_file}: amd-quark's output has no Quark quantization_config")
@@ -114,14 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vllm_dsv4_mtp.quant.quark_flow", description=__doc__.splitlines()[0])
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--device", default=None, help="cuda (default when a GPU is visible), cuda:N, or cpu "
-                                                  "(BF16 sources only)")
+    p.add_argument(
+        "--device", default=None, help="cuda (default when a GPU is visible), cuda:N, or cpu (BF16 sources only)"
+    )
     p.add_argument("--shared-experts", choices=("keep", "mxfp4"), default="keep")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     args = p.parse_args(argv)
     try:
-        out = run_quark_flow(args.src, args.dst, device=args.device, shared_experts=args.shared_experts,
-                             force=args.force)
+        out = run_quark_flow(
+            args.src, args.dst, device=args.device, shared_experts=args.shared_experts, force=args.force
+        )
     except QuantizeError as e:
         print(f"quark_flow: error: {e}", file=sys.stderr)
         return 2

@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 
 
-def sharpened_tiny(tmp_path_factory, name: str, *, seed: int, experts: str = "bf16", head_scale: float | None = None,
-                   **config) -> Path:
+def sharpened_tiny(
+    tmp_path_factory, name: str, *, seed: int, experts: str = "bf16", head_scale: float | None = None, **config
+) -> Path:
     """A random tiny checkpoint (``tiny_config(**config)``) whose expert choice no longer flips on near-ties.
 
     ``sharpen_routing`` lets the gate bias alone pick the experts (the routing weights are unchanged), so two
@@ -19,8 +20,7 @@ def sharpened_tiny(tmp_path_factory, name: str, *, seed: int, experts: str = "bf
     from vllm_dsv4_mtp.testing.mtp_checkpoints import scale_head
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
 
-    d = build_tiny_checkpoint(tmp_path_factory.mktemp(name) / "ckpt", tiny_config(**config), seed=seed,
-                              experts=experts)
+    d = build_tiny_checkpoint(tmp_path_factory.mktemp(name) / "ckpt", tiny_config(**config), seed=seed, experts=experts)
     if head_scale is not None:
         scale_head(d, head_scale)
     sharpen_routing(d)

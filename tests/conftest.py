@@ -11,7 +11,6 @@ import contextlib
 import os
 
 import pytest
-
 from engines import vllm_engine
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -53,8 +52,9 @@ def vllm_dist(tmp_path_factory):
 
     rendezvous = tmp_path_factory.mktemp("vllm-dist") / "rendezvous"
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"file://{rendezvous}", backend="gloo")
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{rendezvous}", backend="gloo"
+        )
         initialize_model_parallel(1, 1)
         torch.set_default_dtype(torch.float32)
         yield

@@ -28,13 +28,20 @@ if TYPE_CHECKING:
     from vllm import LLM
 
 # the float32 parity engines' settings (tiny checkpoints against HF transformers' float32 oracle)
-PARITY_ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
-                     skip_tokenizer_init=True, seed=0)
+PARITY_ENGINE = dict(
+    dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8, skip_tokenizer_init=True, seed=0
+)
 
 
 @contextmanager
-def vllm_engine(model: str | Path, *, in_process: bool = False, apply_model: bool = False,
-                env: Mapping[str, str] | None = None, **llm_kwargs) -> Iterator[LLM]:
+def vllm_engine(
+    model: str | Path,
+    *,
+    in_process: bool = False,
+    apply_model: bool = False,
+    env: Mapping[str, str] | None = None,
+    **llm_kwargs,
+) -> Iterator[LLM]:
     """``with vllm_engine(ckpt, dtype="float32", ...) as llm:`` an ``LLM(model=str(ckpt), **llm_kwargs)``.
 
     Raises what ``LLM(...)`` raises (after the same clean-up), so ``pytest.raises`` around the ``with`` checks an
@@ -60,8 +67,10 @@ def vllm_engine(model: str | Path, *, in_process: bool = False, apply_model: boo
             try:
                 llm = LLM(model=str(model), **llm_kwargs)
                 if borrowed:  # only a start that fails may join them: stopping a running engine destroys them
-                    raise RuntimeError("an in-process engine started inside an initialised vLLM distributed "
-                                       "environment (the vllm_dist fixture): stopping it would destroy those groups")
+                    raise RuntimeError(
+                        "an in-process engine started inside an initialised vLLM distributed "
+                        "environment (the vllm_dist fixture): stopping it would destroy those groups"
+                    )
                 yield llm
             finally:
                 _shut_down(llm, in_process and not borrowed)
@@ -100,6 +109,8 @@ def drafter(llm):
     runner = _model_runner(llm)
     proposer = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
     if proposer is None:
-        raise AssertionError(f"{type(runner).__module__}.{type(runner).__name__} has neither .speculator (Model "
-                             "Runner V2) nor .drafter (V1): is speculative decoding on?")
+        raise AssertionError(
+            f"{type(runner).__module__}.{type(runner).__name__} has neither .speculator (Model "
+            "Runner V2) nor .drafter (V1): is speculative decoding on?"
+        )
     return proposer.model

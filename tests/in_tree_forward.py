@@ -86,7 +86,7 @@ def run_forward(case: dict, out: Path, rank: int, model, vc) -> dict:
     with torch.no_grad():
         want_state = ref(hidden.float(), ids, positions)
         want = ref.logits(want_state[None])[0]  # logits takes [B, T, hc, D]
-    got = logits.float()[:, :want.shape[-1]]
+    got = logits.float()[:, : want.shape[-1]]
     result["rel"] = float((got - want).norm() / want.norm())
     result["state_rel"] = float((state.float().view_as(want_state) - want_state).norm() / want_state.norm())
     result["max_abs"] = float((got - want).abs().max())
@@ -94,6 +94,8 @@ def run_forward(case: dict, out: Path, rank: int, model, vc) -> dict:
     result["argmax_agree"] = float((got.argmax(-1) == want.argmax(-1)).float().mean())
     result["state_max_abs"] = float((state.float().view_as(want_state) - want_state).abs().max())
     result["state_span"] = float(want_state.max() - want_state.min())
-    torch.save({"got": got, "want": want, "ffn_in": captured.get("ffn_in"), "ffn_out": captured.get("ffn_out"),
-                "ids": ids}, out / f"{case['name']}-fwd{rank}.pt")
+    torch.save(
+        {"got": got, "want": want, "ffn_in": captured.get("ffn_in"), "ffn_out": captured.get("ffn_out"), "ids": ids},
+        out / f"{case['name']}-fwd{rank}.pt",
+    )
     return result

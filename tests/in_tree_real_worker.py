@@ -45,8 +45,13 @@ def engine_config(case: dict):
 
     if "cli" in case:
         return cli_engine_config(case)
-    kw = dict(model=case["ckpt"], skip_tokenizer_init=True, max_model_len=4096, dtype="bfloat16",
-              speculative_config={"method": "mtp", "num_speculative_tokens": case.get("k", 1)})
+    kw = dict(
+        model=case["ckpt"],
+        skip_tokenizer_init=True,
+        max_model_len=4096,
+        dtype="bfloat16",
+        speculative_config={"method": "mtp", "num_speculative_tokens": case.get("k", 1)},
+    )
     kw["speculative_config"].update(case.get("spec", {}))
     kw.update(case.get("engine", {}))
     with rocm_standins.x86_config_check_without_triton_cpu():
@@ -72,7 +77,7 @@ def cli_engine_config(case: dict):
     set_aside = []
     if "--reasoning-parser" in argv:  # it builds the tokenizer's vocabulary, and the tiny checkpoint has none
         i = argv.index("--reasoning-parser")
-        set_aside, argv = argv[i:i + 2], argv[:i] + argv[i + 2:]
+        set_aside, argv = argv[i : i + 2], argv[:i] + argv[i + 2 :]
     ns, unknown = parser.parse_known_args(argv)
     case["unknown"] = unknown + set_aside[:1]
     args = EngineArgs.from_cli_args(ns)
@@ -106,28 +111,37 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
                 model = DeepSeekV4MTPModel(vllm_config=vc, prefix="")
             if case.get("meta"):
                 owners = {n: type(m).__name__ for n, m in model.named_modules()}
-                result["shapes"] = {n: [list(p.shape), owners[n.rsplit(".", 1)[0]]]
-                                    for n, p in model.named_parameters()}
+                result["shapes"] = {
+                    n: [list(p.shape), owners[n.rsplit(".", 1)[0]]] for n, p in model.named_parameters()
+                }
             if case.get("load"):
                 reader = CheckpointReader(case["ckpt"])
                 model.load_weights((n, reader.get(n)) for n in reader.tensors)
                 if not case.get("forward"):
-                    torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
-                               out / f"{case['name']}-rank{rank}.pt")
+                    torch.save(
+                        {n: p.detach().clone() for n, p in model.named_parameters()},
+                        out / f"{case['name']}-rank{rank}.pt",
+                    )
 
         if case.get("forward"):  # outside the bf16 default dtype: the reference is float32
             from in_tree_forward import run_forward
 
             result["forward"] = run_forward(case, out, rank, model, vc)
         result["fused_shared_expert"] = model.fused_shared_expert
-        result["methods"] = {n: type(m.quant_method).__name__ for n, m in model.named_modules()
-                             if getattr(m, "quant_method", None) is not None}
+        result["methods"] = {
+            n: type(m.quant_method).__name__
+            for n, m in model.named_modules()
+            if getattr(m, "quant_method", None) is not None
+        }
         # the prefix each layer asked the quantization config with, and its kind (the embedding and LM head,
         # replaced by the target's, left out)
         result["quant_prefixes"] = sorted(
             [m.layer_name, "moe"] if hasattr(m, "layer_name") else [m.prefix, "linear"]
-            for m in model.modules() if getattr(m, "quant_method", None) is not None
-            and "Embedding" not in type(m).__name__ and "LMHead" not in type(m).__name__)
+            for m in model.modules()
+            if getattr(m, "quant_method", None) is not None
+            and "Embedding" not in type(m).__name__
+            and "LMHead" not in type(m).__name__
+        )
         layer = next(iter(model.model.layers.values()))
         result["kernel"] = {
             "target_monokernel": getattr(vc.kernel_config, "monokernel", None),
@@ -138,10 +152,12 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
         }
         if "unknown" in case:
             result["unknown"] = case["unknown"]
-            result["target"] = {"tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
-                                "kv_cache_dtype": vc.cache_config.cache_dtype,
-                                "speculative": vc.speculative_config.method,
-                                "k": vc.speculative_config.num_speculative_tokens}
+            result["target"] = {
+                "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
+                "kv_cache_dtype": vc.cache_config.cache_dtype,
+                "speculative": vc.speculative_config.method,
+                "k": vc.speculative_config.num_speculative_tokens,
+            }
     except Exception as e:  # the test reports vLLM's own message
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()[-3000:]
@@ -164,8 +180,9 @@ def control(case: dict, vc, result: dict) -> dict:
     view.quant_config = None
     try:
         model = DeepSeekV4MTP(vllm_config=view, prefix="")
-        result["fused_shared_expert"] = next(iter(model.model.layers.values())).mtp_block.ffn.\
-            is_fused_shared_expert_enabled
+        result["fused_shared_expert"] = next(
+            iter(model.model.layers.values())
+        ).mtp_block.ffn.is_fused_shared_expert_enabled
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {e}"
     return result
@@ -181,8 +198,9 @@ def rank_main(rank: int, world: int, rendezvous: str, out: Path, cases: list[dic
     with rocm_standins.x86_config_check_without_triton_cpu():
         empty = VllmConfig()
     with set_current_vllm_config(empty):
-        init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
-                                     distributed_init_method=f"file://{rendezvous}")
+        init_distributed_environment(
+            world_size=world, rank=rank, local_rank=rank, backend="gloo", distributed_init_method=f"file://{rendezvous}"
+        )
         initialize_model_parallel(world, 1)
     for case in cases:
         result = run_case(case, rank, out, lines)

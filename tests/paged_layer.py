@@ -17,8 +17,7 @@ from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
 
 
 class PagedSequences:
-    def __init__(self, layer, *, block_size: int = 16, num_blocks: int = 96, seed: int = 0,
-                 fill: float = float("nan")):
+    def __init__(self, layer, *, block_size: int = 16, num_blocks: int = 96, seed: int = 0, fill: float = float("nan")):
         self.layer = layer
         self.bs = block_size
         layer.cache.kv_cache = torch.full((num_blocks, 1, block_size, layer.cache.cache_width), fill)
@@ -46,9 +45,14 @@ class PagedSequences:
         width = max(len(self.blocks[s]) for s, _ in batch)
         table = np.array([self.blocks[s] + [0] * (width - len(self.blocks[s])) for s, _ in batch])
         md = PortableAttentionMetadata.create(
-            query_start_loc=np.array(qsl), seq_lens=np.array(seq_lens), block_table=table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64), num_actual_tokens=len(slots), block_size=self.bs,
-            device=torch.device("cpu"))
+            query_start_loc=np.array(qsl),
+            seq_lens=np.array(seq_lens),
+            block_table=table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_actual_tokens=len(slots),
+            block_size=self.bs,
+            device=torch.device("cpu"),
+        )
         with torch.no_grad():
             out = self.layer.forward_paged(md, torch.tensor(positions), torch.cat([x for _, x in batch]))
         return list(out.split([x.shape[0] for _, x in batch]))

@@ -25,8 +25,9 @@ TAIL = 4000
 def run(argv: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
     """``argv`` run to completion within ``timeout`` seconds (``kw``: ``env``, ``cwd``); its CompletedProcess."""
     t0 = time.monotonic()
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                          **kw) as p:
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw
+    ) as p:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -35,10 +36,13 @@ def run(argv: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
             finally:
                 kill_all(p.pid)
             out, err = _read_rest(p)
-            pytest.fail(f"{argv[:4]}... did not finish in {timeout:.0f} s (ran {time.monotonic() - t0:.0f} s; "
-                        f"killed with everything it started)\nload average {os.getloadavg()}; processes at the "
-                        f"timeout:\n{snapshot}\n--- its stdout, last {TAIL} characters:\n{out[-TAIL:]}\n"
-                        f"--- its stderr, last {TAIL} characters:\n{err[-TAIL:]}", pytrace=False)
+            pytest.fail(
+                f"{argv[:4]}... did not finish in {timeout:.0f} s (ran {time.monotonic() - t0:.0f} s; "
+                f"killed with everything it started)\nload average {os.getloadavg()}; processes at the "
+                f"timeout:\n{snapshot}\n--- its stdout, last {TAIL} characters:\n{out[-TAIL:]}\n"
+                f"--- its stderr, last {TAIL} characters:\n{err[-TAIL:]}",
+                pytrace=False,
+            )
         except BaseException:  # e.g. Ctrl-C: no engine left running either
             kill_all(p.pid)
             raise

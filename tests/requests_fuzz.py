@@ -17,8 +17,9 @@ MODEL = "dsv4-tiny"
 
 def call(base_url: str, body: dict, timeout: float = 300.0) -> tuple[int, str]:
     """``POST /v1/completions``; ``(HTTP status, body text)``; a streamed answer is read to its end."""
-    req = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        base_url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode(errors="replace")
@@ -32,8 +33,17 @@ def stream_events(text: str) -> list[str]:
 
 
 def greedy_tokens(base_url: str, prompt: list[int], n: int = 8) -> list[int]:
-    status, text = call(base_url, {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0.0,
-                                   "ignore_eos": True, "return_token_ids": True})
+    status, text = call(
+        base_url,
+        {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     assert status == 200, text
     return json.loads(text)["choices"][0]["token_ids"]
 
@@ -76,6 +86,7 @@ def fuzz_cases(seed: int, count: int, prompt_lens: tuple[int, ...], vocab: int =
 
 def run_fuzz(base_url: str, cases: list[dict], workers: int = 4) -> list[tuple[int, str, dict]]:
     """Send every case (``workers`` at a time); ``(status, body, case)`` each."""
+
     def one(case):
         status, text = call(base_url, case)
         return status, text, case
@@ -99,8 +110,11 @@ def check_fuzz_results(results) -> list[int]:
     """Every answer 2xx or 4xx (a stream's error event counts by its code); a stream ends with ``[DONE]``.
     Returns the effective statuses."""
     statuses = [effective_status(s, text, bool(case.get("stream"))) for s, text, case in results]
-    bad = [(s, case, text[-300:]) for s, (_, text, case) in zip(statuses, results)
-           if not (200 <= s < 300 or 400 <= s < 500)]
+    bad = [
+        (s, case, text[-300:])
+        for s, (_, text, case) in zip(statuses, results)
+        if not (200 <= s < 300 or 400 <= s < 500)
+    ]
     assert not bad, f"{len(bad)} of {len(results)} requests got no 2xx/4xx answer: {bad[:3]}"
     for s, text, case in results:
         if s == 200 and case.get("stream"):

@@ -18,8 +18,14 @@ import torch
 def _gfx950_device_properties(*args, **kwargs):
     """``vllm.platforms.rocm`` reads ``torch.cuda.get_device_properties("cuda").gcnArchName`` at import time (the
     in-tree AMD model imports it for ``on_gfx950``); CPU torch has no CUDA and raises. Answers as an MI355 does."""
-    return SimpleNamespace(gcnArchName="gfx950:sramecc+:xnack-", name="AMD Instinct MI355X (stand-in)",
-                           multi_processor_count=256, total_memory=288 << 30, major=9, minor=5)
+    return SimpleNamespace(
+        gcnArchName="gfx950:sramecc+:xnack-",
+        name="AMD Instinct MI355X (stand-in)",
+        multi_processor_count=256,
+        total_memory=288 << 30,
+        major=9,
+        minor=5,
+    )
 
 
 class _NoOpCudaEvent:
@@ -117,13 +123,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
 
 
-def fused_mtp_input_rmsnorm(inputs_embeds, positions, previous_hidden_states, enorm_weight, hnorm_weight, eps,
-                            hc_mult):
+def fused_mtp_input_rmsnorm(inputs_embeds, positions, previous_hidden_states, enorm_weight, hnorm_weight, eps, hc_mult):
     """``_FUSED_MTP_INPUT_RMSNORM_KERNEL`` (a Triton kernel): the MTP input embedding zeroed at position 0 (the
     token there has no predecessor), then ``enorm``; each of the ``hc_mult`` target streams through ``hnorm``."""
     e = inputs_embeds.masked_fill((positions == 0)[:, None], 0.0)
-    return (rms_norm(e, enorm_weight, eps).to(inputs_embeds.dtype),
-            rms_norm(previous_hidden_states, hnorm_weight, eps).to(previous_hidden_states.dtype))
+    return (
+        rms_norm(e, enorm_weight, eps).to(inputs_embeds.dtype),
+        rms_norm(previous_hidden_states, hnorm_weight, eps).to(previous_hidden_states.dtype),
+    )
 
 
 def shared_head_rmsnorm(hidden_states, weight, eps):
@@ -154,8 +161,10 @@ class SwaSinkAttention:
     def __init__(self, attn, rope_theta: float, window: int):
         self.attn, self.theta, self.window = attn, rope_theta, window
         # read as loaded: vLLM's CPU linears repack their weights after loading
-        self.w = {n: getattr(attn, n).weight.detach().float().clone()
-                  for n in ("fused_wqa_wkv", "q_norm", "wq_b", "kv_norm", "wo_a", "wo_b")}
+        self.w = {
+            n: getattr(attn, n).weight.detach().float().clone()
+            for n in ("fused_wqa_wkv", "q_norm", "wq_b", "kv_norm", "wo_a", "wo_b")
+        }
 
     def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor, llama_4_scaling=None) -> torch.Tensor:
         a = self.attn
@@ -168,7 +177,7 @@ class SwaSinkAttention:
         q = torch.cat([q[..., :-rd], _rope_interleaved(q[..., -rd:], positions, self.theta)], -1)
         kv = rms_norm(kv, w["kv_norm"], a.eps)
         kv = torch.cat([kv[..., :-rd], _rope_interleaved(kv[..., -rd:], positions, self.theta)], -1)
-        scores = torch.einsum("thd,kd->thk", q, kv) * d ** -0.5
+        scores = torch.einsum("thd,kd->thk", q, kv) * d**-0.5
         qp, kp = positions[:, None], positions[None, :]
         visible = (kp <= qp) & (kp > qp - self.window)
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))

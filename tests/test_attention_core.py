@@ -51,14 +51,18 @@ def test_entries_live_in_channels_only_their_own_block_reads():
 
 
 def _vllm_config(block_size, dtype=torch.float32, ctx=None):
-    return SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto", block_size=block_size),
-                           model_config=SimpleNamespace(dtype=dtype),
-                           compilation_config=SimpleNamespace(static_forward_context={} if ctx is None else ctx))
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=block_size),
+        model_config=SimpleNamespace(dtype=dtype),
+        compilation_config=SimpleNamespace(static_forward_context={} if ctx is None else ctx),
+    )
 
 
 def _core(cache_width=8, block_size=4, num_blocks=12):
     vc = _vllm_config(block_size)
-    core = ac.PagedRowCache(row_width=6, cache_width=cache_width, piece_width=4, prefix="model.layers.0.attn", vllm_config=vc)
+    core = ac.PagedRowCache(
+        row_width=6, cache_width=cache_width, piece_width=4, prefix="model.layers.0.attn", vllm_config=vc
+    )
     assert vc.compilation_config.static_forward_context["model.layers.0.attn"] is core
     spec = core.get_kv_cache_spec(vc)
     assert (spec.num_kv_heads, spec.head_size, spec.head_size_v, spec.block_size) == (1, cache_width, 0, block_size)
@@ -95,9 +99,14 @@ class _Steps:
             seq_lens.append(start + n)
         slots.append(-1)  # a padded token slot
         md = PortableAttentionMetadata.create(
-            query_start_loc=np.array(qsl), seq_lens=np.array(seq_lens), block_table=np.array(tab),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64), num_actual_tokens=len(slots),
-            block_size=self.bs, device=torch.device("cpu"))
+            query_start_loc=np.array(qsl),
+            seq_lens=np.array(seq_lens),
+            block_table=np.array(tab),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_actual_tokens=len(slots),
+            block_size=self.bs,
+            device=torch.device("cpu"),
+        )
         self.core.write(md, torch.stack(rows + [torch.full((6,), 99.0)]))
         for req, n in batch:
             if req is not None:
@@ -136,7 +145,7 @@ def test_addressing_of_a_mixed_batch():
     win, w = md.window(5), 5
     for ratio in (4, 3):
         ent = md.entries(ratio)
-        for t, req, p, g, o in _queries(md, owner):
+        for _t, req, p, g, o in _queries(md, owner):
             assert st.seen(win.slots[g], win.masked[g, o]) == [(req, k, 0.0) for k in range(max(0, p - w + 1), p + 1)]
             want = [(req, ratio * j + ratio - 1, 0.0) for j in range((p + 1) // ratio)]
             assert st.seen(ent.slots[g], ent.masked[g, o]) == want
@@ -147,7 +156,8 @@ def test_addressing_of_a_mixed_batch():
         for m, (req, p) in enumerate(ends):
             assert st.seen(done.dst[m : m + 1]) == [(req, p, 0.0)]
             assert st.seen(done.row_slots[m], ~done.row_valid[m, :, 0]) == [
-                (req, k, 0.0) for k in range(max(0, p - 2 * ratio + 1), p + 1)]
+                (req, k, 0.0) for k in range(max(0, p - 2 * ratio + 1), p + 1)
+            ]
             assert int(done.block_pos[m]) == p - ratio + 1
     assert md.completions(16, 16) is None  # no token of this step closes a block of 16
 
@@ -166,7 +176,7 @@ def test_rows_of_rejected_drafts_are_never_addressed():
     for ratio in (4, 3, 2):
         ent = md.entries(ratio)
         win = md.window(64)
-        for t, req, p, g, o in _queries(md, owner):
+        for _t, req, p, g, o in _queries(md, owner):
             seen = st.seen(win.slots[g], win.masked[g, o]) + st.seen(ent.slots[g], ent.masked[g, o])
             assert all(k <= p for _, k, _ in seen)
             if req == 1:
@@ -187,8 +197,9 @@ def test_decode_and_verify_steps_use_the_identity_layout():
     assert md.positions.tolist() == [6, 3, 2]
     md, owner = st.step([(0, 3), (1, 3), (2, 3)])  # verify windows of K + 1 = 3 tokens each
     assert md.seg_len == 3 and md.num_segments == 3 and md.query_index is None and md.output_index is None
-    assert [q[1:] for q in _queries(md, owner)] == [(r, p, g, o) for g, (r, p0) in enumerate(((0, 7), (1, 4), (2, 3)))
-                                                    for o, p in enumerate(range(p0, p0 + 3))]
+    assert [q[1:] for q in _queries(md, owner)] == [
+        (r, p, g, o) for g, (r, p0) in enumerate(((0, 7), (1, 4), (2, 3))) for o, p in enumerate(range(p0, p0 + 3))
+    ]
 
 
 def test_positions_must_match_the_addressing():
@@ -222,8 +233,7 @@ def test_row_channels_round_trip_through_the_piece_major_blocks():
     assert torch.equal(rows[:, 2], torch.tensor([1000.0 * r + p for r, p in want]))
     # channels 3..5 span the two 4-wide pieces
     core.put(slots.reshape(-1), 3, torch.tensor([[-1.0, -2.0, -3.0]] * 4))
-    assert torch.equal(core.gather(slots, 2, 4).view(4, 4)[:, 1:],
-                       torch.tensor([[-1.0, -2.0, -3.0]] * 4))
+    assert torch.equal(core.gather(slots, 2, 4).view(4, 4)[:, 1:], torch.tensor([[-1.0, -2.0, -3.0]] * 4))
     assert torch.equal(core.gather(slots, 0, 3).view(4, 3), rows[:, :3])  # neighbours untouched
     for start in (0, 4):
         assert torch.equal(core.gather_pieces(core.piece_index(slots, start)), core.gather(slots, start, 4))

@@ -1,5 +1,6 @@
 """`dsv4-mtp bench`: a small concurrency sweep against a real vLLM server on the embedded tiny DeepSeek-V4 (MXFP4, MTP
-K=2, one server for the module) producing the markdown table, the PNG plot and the JSON; and the report arithmetic (speedups, step costs).
+K=2, one server for the module) producing the markdown table, the PNG plot and the JSON; and the report arithmetic
+(speedups, step costs).
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import procs
+import pytest
 
 from vllm_dsv4_mtp.evaluate.bench import BenchRun, LevelResult, build_report, markdown, percentile, write_outputs
 
@@ -18,10 +19,25 @@ DSV4_MTP = str(Path(sys.executable).parent / "dsv4-mtp")
 
 
 def _level(c, e2e, tpot, toks, al=None, pos=None):
-    return LevelResult(concurrency=c, requests=8, failed=0, duration_s=1.0, output_tokens=toks, mean_prompt_tokens=50,
-                       output_tok_s=float(toks), requests_per_s=8.0, e2e_mean_ms=e2e, e2e_p50_ms=e2e, e2e_p90_ms=e2e,
-                       ttft_mean_ms=10.0, tpot_mean_ms=tpot, tpot_p50_ms=tpot, tpot_p90_ms=tpot,
-                       acceptance_length=al, per_position_acceptance=pos)
+    return LevelResult(
+        concurrency=c,
+        requests=8,
+        failed=0,
+        duration_s=1.0,
+        output_tokens=toks,
+        mean_prompt_tokens=50,
+        output_tok_s=float(toks),
+        requests_per_s=8.0,
+        e2e_mean_ms=e2e,
+        e2e_p50_ms=e2e,
+        e2e_p90_ms=e2e,
+        ttft_mean_ms=10.0,
+        tpot_mean_ms=tpot,
+        tpot_p50_ms=tpot,
+        tpot_p90_ms=tpot,
+        acceptance_length=al,
+        per_position_acceptance=pos,
+    )
 
 
 def test_percentile_interpolates():
@@ -32,14 +48,25 @@ def test_percentile_interpolates():
 
 def test_report_speedup_step_costs_table_and_plot(tmp_path):
     off = BenchRun("MTP off", "http://127.0.0.1:1", None, [_level(1, 1000.0, 20.0, 400), _level(2, 1200.0, 24.0, 640)])
-    on = BenchRun("MTP K=2", "http://127.0.0.1:2", 2,
-                  [_level(1, 500.0, 10.0, 800, 2.5, [0.9, 0.6]), _level(2, 800.0, 16.0, 960, 2.4, [0.9, 0.5])])
+    on = BenchRun(
+        "MTP K=2",
+        "http://127.0.0.1:2",
+        2,
+        [_level(1, 500.0, 10.0, 800, 2.5, [0.9, 0.6]), _level(2, 800.0, 16.0, 960, 2.4, [0.9, 0.5])],
+    )
     rep = build_report([off, on], argv=["--serve"], model="/m/tiny", max_tokens=64, num_fewshot=2)
-    assert rep["speedup"] == [{"concurrency": 1, "e2e": 2.0, "tpot": 2.0, "throughput": 2.0},
-                              {"concurrency": 2, "e2e": 1.5, "tpot": 1.5, "throughput": 1.5}]
+    assert rep["speedup"] == [
+        {"concurrency": 1, "e2e": 2.0, "tpot": 2.0, "throughput": 2.0},
+        {"concurrency": 2, "e2e": 1.5, "tpot": 1.5, "throughput": 1.5},
+    ]
     # one step without MTP = TPOT (20 ms, 1 token); with MTP = TPOT x acceptance length (10 x 2.5 = 25 ms)
-    assert rep["step_costs"] == {"target_step_ms": 20.0, "mtp_step_ms": 25.0, "mtp_step_over_target_step": 1.25,
-                                 "acceptance_length": 2.5, "predicted_tpot_speedup": 2.0}
+    assert rep["step_costs"] == {
+        "target_step_ms": 20.0,
+        "mtp_step_ms": 25.0,
+        "mtp_step_over_target_step": 1.25,
+        "acceptance_length": 2.5,
+        "predicted_tpot_speedup": 2.0,
+    }
     md = markdown(rep)
     assert "| 1 | 8 | 1000.0 | 500.0 | 2.00 | 20.0 | 10.0 | 400.0 | 800.0 | 2.500 | 0.90 / 0.60 |" in md
     assert "| Max conc | requests | no MTP e2e (ms) | MTP K=2 e2e (ms) | Speedup |" in md
@@ -49,8 +76,12 @@ def test_report_speedup_step_costs_table_and_plot(tmp_path):
 
 
 def test_bench_refuses_a_non_loopback_server(tmp_path):
-    r = subprocess.run([DSV4_MTP, "bench", "--base-url", "http://10.1.2.3:8000", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [DSV4_MTP, "bench", "--base-url", "http://10.1.2.3:8000", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert "request loops to 127.0.0.1 / localhost only (host '10.1.2.3' is not a loopback address)" in r.stderr
 
@@ -64,8 +95,10 @@ def test_bench_serve_without_the_embedded_checkpoint_says_pass_model(monkeypatch
     monkeypatch.setattr(embedded, "MXFP4_CHECKPOINT_DIR", missing)
     assert main(["bench", "--serve", "--out", str(tmp_path / "out")]) == 2
     out, err = capsys.readouterr()
-    assert err == (f"dsv4-mtp bench: error: no checkpoint at {missing} (the embedded checkpoints ship with the "
-                   "repository, not the wheel): pass --model DIR\n")
+    assert err == (
+        f"dsv4-mtp bench: error: no checkpoint at {missing} (the embedded checkpoints ship with the "
+        "repository, not the wheel): pass --model DIR\n"
+    )
     assert out == "" and not (tmp_path / "out").exists()
 
 
@@ -80,8 +113,23 @@ def server(start_server, embedded_mxfp4):
 @pytest.mark.engine
 def test_bench_sweep_against_server(server, tmp_path):
     out = tmp_path / "bench"
-    r = procs.run([DSV4_MTP, "bench", "--base-url", server.base_url, "--concurrency", "1,2",
-                   "--num-requests", "3", "--max-tokens", "12", "--out", str(out)], timeout=900)
+    r = procs.run(
+        [
+            DSV4_MTP,
+            "bench",
+            "--base-url",
+            server.base_url,
+            "--concurrency",
+            "1,2",
+            "--num-requests",
+            "3",
+            "--max-tokens",
+            "12",
+            "--out",
+            str(out),
+        ],
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = json.loads((out / "bench.json").read_text())
     assert rep["machine"]["cores"] >= 1 and rep["max_tokens"] == 12 and rep["temperature"] == 0.0
@@ -113,19 +161,35 @@ def test_stepcost_splits_each_decode_step_into_its_parts():
     from vllm_dsv4_mtp.benchmarks.stepcost import explain, summarize
 
     # one request, MTP K=2: prefill at t=0, then two decode steps of 30 ms each (target 3 tokens, 2 draft calls)
-    recs = [("target", 40, 0.000, 0.010), ("draft", 40, 0.011, 0.013),
-            ("target", 3, 0.020, 0.032), ("target_logits", 3, 0.032, 0.033), ("draft", 3, 0.035, 0.039),
-            ("draft_logits", 1, 0.039, 0.040), ("draft", 1, 0.041, 0.043), ("draft_logits", 1, 0.043, 0.044),
-            ("target", 3, 0.050, 0.062), ("target_logits", 3, 0.062, 0.063), ("draft", 3, 0.065, 0.069),
-            ("draft_logits", 1, 0.069, 0.070), ("draft", 1, 0.071, 0.073), ("draft_logits", 1, 0.073, 0.080)]
+    recs = [
+        ("target", 40, 0.000, 0.010),
+        ("draft", 40, 0.011, 0.013),
+        ("target", 3, 0.020, 0.032),
+        ("target_logits", 3, 0.032, 0.033),
+        ("draft", 3, 0.035, 0.039),
+        ("draft_logits", 1, 0.039, 0.040),
+        ("draft", 1, 0.041, 0.043),
+        ("draft_logits", 1, 0.043, 0.044),
+        ("target", 3, 0.050, 0.062),
+        ("target_logits", 3, 0.062, 0.063),
+        ("draft", 3, 0.065, 0.069),
+        ("draft_logits", 1, 0.069, 0.070),
+        ("draft", 1, 0.071, 0.073),
+        ("draft_logits", 1, 0.073, 0.080),
+    ]
     on = summarize([recs], output_tokens=[6])
     assert on["decode_steps"] == 2 and on["step_ms"] == pytest.approx(30.0)
     assert on["tokens_per_step"] == pytest.approx(2.5)  # 6 tokens, the first from the prefill
     assert on["parts_ms"]["target"] == pytest.approx(12.0) and on["parts_ms"]["draft"] == pytest.approx(6.0)
     assert on["calls_per_step"]["draft"] == 2 and on["tokens_per_call"]["draft"] == pytest.approx(2.0)
     assert on["parts_ms"]["other"] == pytest.approx(30.0 - 12.0 - 1.0 - 6.0 - on["parts_ms"]["draft_logits"])
-    off_recs = [("target", 40, 0.0, 0.01), ("target", 1, 0.02, 0.028), ("target", 1, 0.03, 0.038),
-                ("target", 1, 0.04, 0.048), ("target_logits", 1, 0.048, 0.049)]
+    off_recs = [
+        ("target", 40, 0.0, 0.01),
+        ("target", 1, 0.02, 0.028),
+        ("target", 1, 0.03, 0.038),
+        ("target", 1, 0.04, 0.048),
+        ("target_logits", 1, 0.048, 0.049),
+    ]
     off = summarize([off_recs], output_tokens=[4])
     assert off["decode_steps"] == 3 and off["step_ms"] == pytest.approx(29.0 / 3, abs=1e-3)
     ex = explain(off, dict(on, mtp_k=2))
@@ -176,16 +240,25 @@ def test_forward_hooks_time_every_call_with_its_tokens_and_profile_range():
 
     model = Model()
     blocks = list(fh.decoder_blocks(model))
-    assert [(name, kind) for name, kind, _ in blocks] == [("layers.0.attn", "attention"), ("layers.0.ffn", "moe"),
-                                                          ("layers.1.attn", "attention"), ("layers.1.ffn", "moe")]
+    assert [(name, kind) for name, kind, _ in blocks] == [
+        ("layers.0.attn", "attention"),
+        ("layers.0.ffn", "moe"),
+        ("layers.1.attn", "attention"),
+        ("layers.1.ffn", "moe"),
+    ]
     fh.time_forward(model, "forward")
     for _, kind, mod in blocks:
         fh.time_forward(mod, kind)
     fh.take_records(None)
     model(torch.arange(5), hidden_states=torch.zeros(5, 4))
     recs = fh.take_records(None)
-    assert [(part, n) for part, n, _, _ in recs] == [("attention", 5), ("moe", 5), ("attention", 5), ("moe", 5),
-                                                     ("forward", 5)]
+    assert [(part, n) for part, n, _, _ in recs] == [
+        ("attention", 5),
+        ("moe", 5),
+        ("attention", 5),
+        ("moe", 5),
+        ("forward", 5),
+    ]
     (_, _, f0, f1) = recs[-1]
     assert all(f0 <= t0 <= t1 <= f1 for _, _, t0, t1 in recs[:-1])
     assert fh.take_records(None) == []

@@ -8,17 +8,38 @@ import json
 import re
 import sys
 
-import pytest
 import procs
+import pytest
 
 pytestmark = pytest.mark.engine
 
 
 def test_decode_step_prints_the_plugin_against_the_floor_of_the_same_run(tmp_path):
     out = tmp_path / "decode.json"
-    r = procs.run([sys.executable, "-m", "vllm_dsv4_mtp.benchmarks.decode_step", "--models", "floor", "bf16",
-                   "--batches", "1", "2", "--contexts", "100", "300", "--reps", "2", "--decode", "33",
-                   "--no-mtp", "--json", str(out)], timeout=900)
+    r = procs.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_dsv4_mtp.benchmarks.decode_step",
+            "--models",
+            "floor",
+            "bf16",
+            "--batches",
+            "1",
+            "2",
+            "--contexts",
+            "100",
+            "300",
+            "--reps",
+            "2",
+            "--decode",
+            "33",
+            "--no-mtp",
+            "--json",
+            str(out),
+        ],
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())
     floor, bf16 = result["results"]
@@ -50,9 +71,26 @@ def test_decode_step_measures_the_floors_own_k2_step_with_a_one_layer_draft(tmp_
     """The floor's K=2 row: vLLM's draft_model method with a random 1-layer Llama (nothing accepted), so the
     K=2 step's cost in MTP-off steps is vLLM's speculative decoding alone at this size."""
     out = tmp_path / "floor.json"
-    r = procs.run([sys.executable, "-m", "vllm_dsv4_mtp.benchmarks.decode_step", "--models", "floor",
-                   "--batches", "1", "--contexts", "100", "--reps", "1", "--decode", "17", "--json", str(out)],
-                  timeout=900)
+    r = procs.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_dsv4_mtp.benchmarks.decode_step",
+            "--models",
+            "floor",
+            "--batches",
+            "1",
+            "--contexts",
+            "100",
+            "--reps",
+            "1",
+            "--decode",
+            "17",
+            "--json",
+            str(out),
+        ],
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (floor,) = json.loads(out.read_text())["results"]
     assert set(floor["mtp"]) == {"1", "64"}
@@ -71,11 +109,12 @@ def test_decode_step_measures_the_floors_own_k2_step_with_a_one_layer_draft(tmp_
         assert m["step_in_off_steps"] > 1.0
         # the engine core's two phases lie inside each timed generate call (3 decimals each, hence the 2 ms)
         for w in ("off", "on"):
-            assert 0 < m["first_token_s"][w] and 0 < m["decode_s"][w]
+            assert m["first_token_s"][w] > 0 and m["decode_s"][w] > 0
             assert m["first_token_s"][w] + m["decode_s"][w] <= m[f"{w}_s"] + 0.002
         dec = m["decode_s"]
-        assert m["decode_speedup"] == pytest.approx(dec["off"] / dec["on"],
-                                                    rel=5e-4 * (1 / dec["off"] + 1 / dec["on"]) + 1e-3)
+        assert m["decode_speedup"] == pytest.approx(
+            dec["off"] / dec["on"], rel=5e-4 * (1 / dec["off"] + 1 / dec["on"]) + 1e-3
+        )
     rows = [line for line in r.stdout.splitlines() if line.startswith("| vLLM floor, 1-layer random draft |")]
     assert len(rows) == 2, r.stdout[-2000:]
 
@@ -135,8 +174,10 @@ def test_the_context_row_times_decode_steps_from_the_engines_token_times(monkeyp
     from vllm_dsv4_mtp.benchmarks import decode_step
 
     def llm(first, last, n=9):
-        out = SimpleNamespace(metrics=SimpleNamespace(first_token_ts=first, last_token_ts=last),
-                              outputs=[SimpleNamespace(token_ids=list(range(n)))])
+        out = SimpleNamespace(
+            metrics=SimpleNamespace(first_token_ts=first, last_token_ts=last),
+            outputs=[SimpleNamespace(token_ids=list(range(n)))],
+        )
         return SimpleNamespace(generate=lambda *a, **k: [out])
 
     assert decode_step.context_sample(llm(100.0, 100.04), [[5] * 4000], 9) == pytest.approx(5.0)
@@ -157,8 +198,10 @@ def test_a_batchs_phases_split_at_its_last_first_token(monkeypatch):
     from vllm_dsv4_mtp.benchmarks import decode_step
 
     def out(queued, first, last):
-        return SimpleNamespace(metrics=SimpleNamespace(queued_ts=queued, first_token_ts=first, last_token_ts=last),
-                               outputs=[SimpleNamespace(token_ids=[7] * decode_step.MTP_TOKENS)])
+        return SimpleNamespace(
+            metrics=SimpleNamespace(queued_ts=queued, first_token_ts=first, last_token_ts=last),
+            outputs=[SimpleNamespace(token_ids=[7] * decode_step.MTP_TOKENS)],
+        )
 
     a, b = out(10.0, 10.2, 11.0), out(10.1, 10.5, 11.25)
     assert decode_step.phases([a, b]) == pytest.approx((0.5, 0.75))
@@ -174,8 +217,11 @@ def test_a_batchs_phases_split_at_its_last_first_token(monkeypatch):
     total, toks, split = decode_step.e2e_once(None, [[1], [2]], 64)
     assert total == pytest.approx(0.9) and split == pytest.approx((0.5, 0.75))
     summary = decode_step.phase_summary({"off": [(0.2, 1.0), (0.3, 1.2)], "on": [(0.25, 0.5), (0.3, 0.8)]})
-    assert summary == {"first_token_s": {"off": 0.25, "on": 0.275}, "decode_s": {"off": 1.1, "on": 0.65},
-                       "decode_speedup": 1.75}
+    assert summary == {
+        "first_token_s": {"off": 0.25, "on": 0.275},
+        "decode_s": {"off": 1.1, "on": 0.65},
+        "decode_speedup": 1.75,
+    }
 
 
 def test_step_parts_puts_the_k_draft_step_in_mtp_off_steps_and_bounds_the_speedup():
@@ -186,8 +232,10 @@ def test_step_parts_puts_the_k_draft_step_in_mtp_off_steps_and_bounds_the_speedu
 
     def ms(step, forward, draft, vllm):
         parts = {"step": step, "forward": forward, "draft": draft, "vllm": vllm}
-        return {"ms": {**dict.fromkeys(("attention", "moe", "rest_of_forward", "draft_attention"), 0.0), **parts},
-                "aten_ops": {}}
+        return {
+            "ms": {**dict.fromkeys(("attention", "moe", "rest_of_forward", "draft_attention"), 0.0), **parts},
+            "aten_ops": {},
+        }
 
     results = [
         {"model": "bf16", "mtp_k": 0, "batches": {1: ms(6.0, 4.5, 0.0, 1.5)}},
@@ -233,8 +281,24 @@ def test_a_benchmark_that_raises_with_its_engine_running_exits_with_the_error(tm
     still-running EngineCore process, until killed (CI, stop 20: a test's 900 s timeout)."""
     script = tmp_path / "raises.py"
     script.write_text(RAISES_IN_A_MEASUREMENT)
-    r = procs.run([sys.executable, str(script), "--models", "bf16", "--batches", "1", "--contexts", "100",
-                   "--reps", "1", "--decode", "5", "--no-mtp"], timeout=300)
+    r = procs.run(
+        [
+            sys.executable,
+            str(script),
+            "--models",
+            "bf16",
+            "--batches",
+            "1",
+            "--contexts",
+            "100",
+            "--reps",
+            "1",
+            "--decode",
+            "5",
+            "--no-mtp",
+        ],
+        timeout=300,
+    )
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     assert "RuntimeError: the second measurement raised" in r.stderr
 

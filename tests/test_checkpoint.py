@@ -54,14 +54,24 @@ def test_sharded_round_trip(tmp_path):
     assert sorted(r.names()) == sorted(ts)
     # listing is in storage order: shard by shard, by data offset
     assert [(r.shards.index(r.info(n).file), r.info(n).begin) for n in r.names()] == sorted(
-        (r.shards.index(r.info(n).file), r.info(n).begin) for n in r.names())
+        (r.shards.index(r.info(n).file), r.info(n).begin) for n in r.names()
+    )
     assert r.config == {"model_type": "deepseek_v4"}
     for n, t in ts.items():
         info = r.info(n)
         assert info.shape == tuple(t.shape)
-        assert info.dtype == {"torch.bfloat16": "BF16", "torch.float32": "F32", "torch.int64": "I64",
-                              "torch.float8_e4m3fn": "F8_E4M3", "torch.float8_e8m0fnu": "F8_E8M0",
-                              "torch.uint8": "U8", "torch.int8": "I8"}[str(t.dtype)]
+        assert (
+            info.dtype
+            == {
+                "torch.bfloat16": "BF16",
+                "torch.float32": "F32",
+                "torch.int64": "I64",
+                "torch.float8_e4m3fn": "F8_E4M3",
+                "torch.float8_e8m0fnu": "F8_E8M0",
+                "torch.uint8": "U8",
+                "torch.int8": "I8",
+            }[str(t.dtype)]
+        )
         got = r.get(n)
         assert got.dtype == t.dtype and _bytes(got) == _bytes(t)
         assert r.raw_bytes(n) == _bytes(t)
@@ -140,8 +150,9 @@ def test_index_entry_for_absent_tensor_is_named(tmp_path):
     (tmp_path / INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(CheckpointError) as e:
         CheckpointReader(tmp_path)
-    assert str(e.value) == (f"{tmp_path / INDEX_FILE}: tensor 'layers.9.attn.wkv.weight' is mapped to "
-                            f"'{shard}', which does not contain it")
+    assert str(e.value) == (
+        f"{tmp_path / INDEX_FILE}: tensor 'layers.9.attn.wkv.weight' is mapped to '{shard}', which does not contain it"
+    )
 
 
 def test_tensor_missing_from_index_is_named(tmp_path):
@@ -151,8 +162,10 @@ def test_tensor_missing_from_index_is_named(tmp_path):
     (tmp_path / INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(CheckpointError) as e:
         CheckpointReader(tmp_path)
-    assert str(e.value) == (f"{tmp_path / shard}: tensor 'norm.weight' is stored in this shard but {INDEX_FILE} "
-                            f"does not list it here (1 such tensors)")
+    assert str(e.value) == (
+        f"{tmp_path / shard}: tensor 'norm.weight' is stored in this shard but {INDEX_FILE} "
+        f"does not list it here (1 such tensors)"
+    )
 
 
 def test_duplicate_tensor_names_are_named(tmp_path):
@@ -173,8 +186,10 @@ def test_truncated_and_empty(tmp_path):
     f.write_bytes(f.read_bytes()[:-10])
     with pytest.raises(CheckpointError) as e:
         CheckpointReader(tmp_path)
-    assert str(e.value) == (f"{f}: truncated safetensors file: its header describes 400 data bytes (through tensor "
-                            f"'w') but the file holds only 390")
+    assert str(e.value) == (
+        f"{f}: truncated safetensors file: its header describes 400 data bytes (through tensor "
+        f"'w') but the file holds only 390"
+    )
     f.write_bytes(b"\x05\x00")
     with pytest.raises(CheckpointError, match="shorter than its 8-byte header length"):
         CheckpointReader(tmp_path)
@@ -215,13 +230,16 @@ def test_tensor_listed_twice_in_the_index_is_named_by_inspect_and_engine(tmp_pat
     right = index["weight_map"]["norm.weight"]
     wrong = next(s for s in set(index["weight_map"].values()) if s != right)
     first, second = (wrong, right) if right_last else (right, wrong)
-    entries = [f'"norm.weight": "{first}"'] + [f"{json.dumps(n)}: {json.dumps(s)}" for n, s in
-                                                index["weight_map"].items() if n != "norm.weight"]
+    entries = [f'"norm.weight": "{first}"'] + [
+        f"{json.dumps(n)}: {json.dumps(s)}" for n, s in index["weight_map"].items() if n != "norm.weight"
+    ]
     text = '{"weight_map": {' + ", ".join(entries) + f', "norm.weight": "{second}"' + "}}"
     (tmp_path / INDEX_FILE).write_text(text)
     assert text.count('"norm.weight"') == 2
-    want = (f"{tmp_path / INDEX_FILE}: tensor 'norm.weight' is listed twice in weight_map, for '{first}' and for "
-            f"'{second}'; JSON keeps only the last entry, so the index is ambiguous: keep one entry per tensor")
+    want = (
+        f"{tmp_path / INDEX_FILE}: tensor 'norm.weight' is listed twice in weight_map, for '{first}' and for "
+        f"'{second}'; JSON keeps only the last entry, so the index is ambiguous: keep one entry per tensor"
+    )
     with pytest.raises(CheckpointError) as e:
         CheckpointReader(tmp_path)
     assert str(e.value) == want

@@ -20,24 +20,70 @@ YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
 
 # deepseek-ai/DeepSeek-V4-Flash config.json (https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/config.json)
 FLASH = {
-    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-    "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
-    "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_lora_rank": 1024,
-    "o_groups": 8, "sliding_window": 128, "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
-    "compress_rope_theta": 160000, "rope_theta": 10000, "rope_scaling": YARN, "max_position_embeddings": 1048576,
-    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "num_hash_layers": 3, "hc_mult": 4,
-    "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "n_routed_experts": 256, "n_shared_experts": 1,
-    "num_experts_per_tok": 6, "moe_intermediate_size": 2048, "routed_scaling_factor": 1.5,
-    "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True, "swiglu_limit": 10.0,
-    "hidden_act": "silu", "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "expert_dtype": "fp4",
-    "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                            "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "num_hidden_layers": 43,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024,
+    "o_lora_rank": 1024,
+    "o_groups": 8,
+    "sliding_window": 128,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+    "compress_rope_theta": 160000,
+    "rope_theta": 10000,
+    "rope_scaling": YARN,
+    "max_position_embeddings": 1048576,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "num_hash_layers": 3,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "swiglu_limit": 10.0,
+    "hidden_act": "silu",
+    "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False,
+    "expert_dtype": "fp4",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "torch_dtype": "bfloat16",
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+    },
 }
 # deepseek-ai/DeepSeek-V4-Pro: the Flash keys with the Pro values
-PRO = {**FLASH, "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128, "q_lora_rank": 1536,
-       "o_groups": 16, "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0], "index_topk": 1024,
-       "n_routed_experts": 384, "moe_intermediate_size": 3072, "routed_scaling_factor": 2.5}
+PRO = {
+    **FLASH,
+    "hidden_size": 7168,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "q_lora_rank": 1536,
+    "o_groups": 16,
+    "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0],
+    "index_topk": 1024,
+    "n_routed_experts": 384,
+    "moe_intermediate_size": 3072,
+    "routed_scaling_factor": 2.5,
+}
 
 
 def _schedule(spec: DeepseekV4Spec) -> dict[int, int]:
@@ -55,7 +101,12 @@ def test_flash_config_parses_with_the_documented_schedule():
     assert [s.is_hash_layer(i) for i in range(5)] == [True, True, True, False, False]
     assert not s.is_hash_layer(43)
     assert s.hc_mix == 24 and s.hc_dim == 16384 and s.o_group_in_dim == 4096
-    assert s.has_indexer(2) and s.compressor_blocks_per_entry(2) == 2 and not s.has_indexer(3) and s.compressor_blocks_per_entry(3) == 1
+    assert (
+        s.has_indexer(2)
+        and s.compressor_blocks_per_entry(2) == 2
+        and not s.has_indexer(3)
+        and s.compressor_blocks_per_entry(3) == 1
+    )
     assert s.quantization_config["quant_method"] == "fp8"
 
 
@@ -68,7 +119,8 @@ def test_pro_config_parses_with_the_documented_schedule():
 
 
 def test_flash_tensor_table_matches_the_release():
-    """69,187 tensors in the Flash release (46 shards), 1,575 of them mtp.*; shapes of the release's safetensors index."""
+    """69,187 tensors in the Flash release (46 shards), 1,575 of them mtp.*; shapes of the release's safetensors
+    index."""
     s = DeepseekV4Spec.from_dict(FLASH)
     t = expected_tensors(s, "fp4-official", linears="fp8")
     assert len(t) == 69187
@@ -116,7 +168,8 @@ def test_flash_tensor_table_matches_the_release():
     # no `.weight_scale` in the official layout, and every FP8/FP4 weight has its scale
     assert not [k for k in t if k.endswith(".weight_scale")]
     assert sum(k.endswith(".scale") and not k.endswith("hc_head_scale") and "hc_" not in k for k in t) == sum(
-        v.dtypes in (("F8_E4M3",), ("I8",)) for v in t.values())
+        v.dtypes in (("F8_E4M3",), ("I8",)) for v in t.values()
+    )
 
 
 def test_parameter_counts_match_the_derived_sizes():
@@ -175,48 +228,88 @@ _DEL = object()
     "changes, message",
     [
         ({"hidden_size": _DEL}, "x.json: missing required field 'hidden_size'"),
-        ({"compress_ratios": _DEL, "layer_types": ["sliding_attention"] * 4},
-         "x.json: missing required field 'compress_ratios' (HF's 'layer_types' is not enough: the native "
-         "per-layer 'compress_ratios' is required)"),
+        (
+            {"compress_ratios": _DEL, "layer_types": ["sliding_attention"] * 4},
+            "x.json: missing required field 'compress_ratios' (HF's 'layer_types' is not enough: the native "
+            "per-layer 'compress_ratios' is required)",
+        ),
         ({"hidden_size": "128"}, "x.json: field 'hidden_size' must be an integer, got '128'"),
         ({"num_hidden_layers": True}, "x.json: field 'num_hidden_layers' must be an integer, got True"),
         ({"routed_scaling_factor": None}, "x.json: field 'routed_scaling_factor' must be a number, got None"),
-        ({"compress_ratios": [0, 4, 128, 4]},
-         "x.json: field 'compress_ratios' has 4 entries, expected num_hidden_layers + num_nextn_predict_layers = "
-         "4 + 1 = 5 (one per main layer, then one per MTP layer)"),
-        ({"compress_ratios": [0, 4, 1, 4, 0]},
-         "x.json: field 'compress_ratios[2]' = 1: must be 0 (sliding window only) or a compression ratio >= 2"),
+        (
+            {"compress_ratios": [0, 4, 128, 4]},
+            "x.json: field 'compress_ratios' has 4 entries, expected num_hidden_layers + num_nextn_predict_layers = "
+            "4 + 1 = 5 (one per main layer, then one per MTP layer)",
+        ),
+        (
+            {"compress_ratios": [0, 4, 1, 4, 0]},
+            "x.json: field 'compress_ratios[2]' = 1: must be 0 (sliding window only) or a compression ratio >= 2",
+        ),
         ({"compress_ratios": [0, 4, 2.5, 4, 0]}, "x.json: field 'compress_ratios[2]' must be an integer, got 2.5"),
-        ({"compress_ratios": [0, 4, 128, 4, 4]},
-         "x.json: field 'compress_ratios[4]' = 4 belongs to MTP layer 0, which is sliding-window only: it must be 0"),
-        ({"n_shared_experts": 2},
-         "x.json: field 'n_shared_experts' must be 1 (DeepSeek-V4 has exactly one shared expert), got 2"),
+        (
+            {"compress_ratios": [0, 4, 128, 4, 4]},
+            "x.json: field 'compress_ratios[4]' = 4 belongs to MTP layer 0, which is sliding-window only: it must be 0",
+        ),
+        (
+            {"n_shared_experts": 2},
+            "x.json: field 'n_shared_experts' must be 1 (DeepSeek-V4 has exactly one shared expert), got 2",
+        ),
         ({"num_key_value_heads": 4}, "x.json: field 'num_key_value_heads' must be 1 (one shared latent KV), got 4"),
         ({"o_groups": 3}, "x.json: field 'num_attention_heads' (4) must be divisible by 'o_groups' (3)"),
-        ({"qk_rope_head_dim": 128},
-         "x.json: field 'qk_rope_head_dim' (128) must be even and smaller than 'head_dim' (128): the rope part is "
-         "the last qk_rope_head_dim dims of a head"),
+        (
+            {"qk_rope_head_dim": 128},
+            "x.json: field 'qk_rope_head_dim' (128) must be even and smaller than 'head_dim' (128): the rope part is "
+            "the last qk_rope_head_dim dims of a head",
+        ),
         ({"num_experts_per_tok": 9}, "x.json: field 'num_experts_per_tok' (9) must be <= 'n_routed_experts' (8)"),
         ({"num_hash_layers": 5}, "x.json: field 'num_hash_layers' (5) must be <= 'num_hidden_layers' (4)"),
-        ({"topk_method": "greedy"},
-         "x.json: field 'topk_method' must be 'noaux_tc' (score-routed layers carry ffn.gate.bias, used for "
-         "selection only), got 'greedy'"),
-        ({"tie_word_embeddings": True},
-         "x.json: field 'tie_word_embeddings' must be false: DeepSeek-V4 stores embed.weight and head.weight "
-         "separately"),
-        ({"rope_scaling": {"type": "yarn", "factor": 16}}, "x.json: missing required field "
-         "'rope_scaling.original_max_position_embeddings'"),
-        ({"rope_scaling": {**YARN, "type": "linear"}},
-         "x.json: field 'rope_scaling.type' must be 'yarn' (YaRN on compressed layers), got 'linear'"),
-        ({"rope_scaling": {**YARN, "attention_factor": 0.5}},
-         "x.json: field 'rope_scaling.attention_factor' must be 1.0 for DeepSeek-V4, got 0.5"),
+        (
+            {"topk_method": "greedy"},
+            "x.json: field 'topk_method' must be 'noaux_tc' (score-routed layers carry ffn.gate.bias, used for "
+            "selection only), got 'greedy'",
+        ),
+        (
+            {"tie_word_embeddings": True},
+            "x.json: field 'tie_word_embeddings' must be false: DeepSeek-V4 stores embed.weight and head.weight "
+            "separately",
+        ),
+        (
+            {"rope_scaling": {"type": "yarn", "factor": 16}},
+            "x.json: missing required field 'rope_scaling.original_max_position_embeddings'",
+        ),
+        (
+            {"rope_scaling": {**YARN, "type": "linear"}},
+            "x.json: field 'rope_scaling.type' must be 'yarn' (YaRN on compressed layers), got 'linear'",
+        ),
+        (
+            {"rope_scaling": {**YARN, "attention_factor": 0.5}},
+            "x.json: field 'rope_scaling.attention_factor' must be 1.0 for DeepSeek-V4, got 0.5",
+        ),
         ({"vocab_size": 0}, "x.json: field 'vocab_size' must be > 0, got 0"),
-        ({"layer_types": ["sliding_attention", "compressed_sparse_attention", "sliding_attention",
-                          "compressed_sparse_attention"]},
-         "x.json: field 'layer_types[2]' = 'sliding_attention' (rate None) disagrees with 'compress_ratios[2]' = 128"),
-        ({"layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                          "compressed_sparse_attention"], "compress_rates": [4, 128]},
-         "x.json: field 'compress_rates' must be an object (layer type -> rate), got [4, 128]"),
+        (
+            {
+                "layer_types": [
+                    "sliding_attention",
+                    "compressed_sparse_attention",
+                    "sliding_attention",
+                    "compressed_sparse_attention",
+                ]
+            },
+            "x.json: field 'layer_types[2]' = 'sliding_attention' (rate None) disagrees with "
+            "'compress_ratios[2]' = 128",
+        ),
+        (
+            {
+                "layer_types": [
+                    "sliding_attention",
+                    "compressed_sparse_attention",
+                    "heavily_compressed_attention",
+                    "compressed_sparse_attention",
+                ],
+                "compress_rates": [4, 128],
+            },
+            "x.json: field 'compress_rates' must be an object (layer type -> rate), got [4, 128]",
+        ),
     ],
 )
 def test_malformed_config_names_file_and_field(changes, message):
@@ -263,8 +356,9 @@ def _zeros_checkpoint(tmp_path, cfg, drop=()):
 
     spec = DeepseekV4Spec.from_dict(cfg)
     dt = {"BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64}
-    tensors = {n: torch.zeros(e.shape, dtype=dt[e.dtypes[0]]) for n, e in expected_tensors(spec).items()
-               if n not in drop}
+    tensors = {
+        n: torch.zeros(e.shape, dtype=dt[e.dtypes[0]]) for n, e in expected_tensors(spec).items() if n not in drop
+    }
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return spec
@@ -279,8 +373,7 @@ def _hf_load_info(path, spec):
     torch.set_num_threads(1)
     hf_cfg = hf_config(path)
     assert list(hf_cfg.layer_types) == spec.hf_layer_schedule()["layer_types"]
-    _, info = DeepseekV4ForCausalLM.from_pretrained(path, config=hf_cfg, dtype=torch.float32,
-                                                    output_loading_info=True)
+    _, info = DeepseekV4ForCausalLM.from_pretrained(path, config=hf_cfg, dtype=torch.float32, output_loading_info=True)
     return info
 
 

@@ -58,6 +58,9 @@ def test_a_config_with_neither_schedule_names_the_field():
     cfg = dict(PRO_CONFIG)
     cfg.pop("compress_ratios")
     hf = type("Cfg", (), {"to_dict": lambda self: dict(cfg), "name_or_path": "ckpt"})()
-    with pytest.raises(ConfigError, match=r"ckpt/config\.json: missing required field 'compress_ratios' \(nor HF's "
-                                          r"'layer_types' \+ 'compress_rates' to derive it from\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"ckpt/config\.json: missing required field 'compress_ratios' \(nor HF's "
+        r"'layer_types' \+ 'compress_rates' to derive it from\)",
+    ):
         spec_from_hf_config(hf)

@@ -44,13 +44,16 @@ def test_the_loops_build_and_pass_their_probes_here():
     assert mxfp4_round.usable()
 
 
-@pytest.mark.parametrize("b,s,h,d,n_shared,k", [
-    (1, 1, 4, 128, 144, 0),  # a decode of a C128 / SWA layer
-    (64, 1, 4, 128, 128, 16),  # a batch of C4 decodes: window + picks
-    (5, 3, 3, 64, 40, 7),  # verify windows, an odd head count
-    (2, 16, 1, 512, 33, 4),  # the longest kernel segment, one head, DeepSeek-V4's head size
-    (3, 2, 5, 16, 1, 1),  # one shared key and one pick
-])
+@pytest.mark.parametrize(
+    "b,s,h,d,n_shared,k",
+    [
+        (1, 1, 4, 128, 144, 0),  # a decode of a C128 / SWA layer
+        (64, 1, 4, 128, 128, 16),  # a batch of C4 decodes: window + picks
+        (5, 3, 3, 64, 40, 7),  # verify windows, an odd head count
+        (2, 16, 1, 512, 33, 4),  # the longest kernel segment, one head, DeepSeek-V4's head size
+        (3, 2, 5, 16, 1, 1),  # one shared key and one pick
+    ],
+)
 def test_kernel_equals_the_float32_reference(b, s, h, d, n_shared, k):
     """float32 rows: the reference's function within float32 rounding (1e-5 here, on outputs of order 1)."""
     pieces, q, shared, masked, own, own_masked, sink = _case(torch.float32, b, s, h, d, n_shared, k, seed=b + s)
@@ -92,8 +95,7 @@ def test_queries_that_see_no_key_get_zero_and_masked_keys_do_not_count():
 def test_extreme_scores_and_nan():
     """Scores far above and below the sink stay finite (the max is subtracted; e^x under e^-104 is 0); a NaN
     query gives NaN for its heads, as the reference does, and leaves the other queries alone."""
-    pieces, q, shared, masked, own, own_masked, sink = _case(torch.float32, 2, 1, 2, 32, 12, 0, seed=9,
-                                                             p_masked=0.0)
+    pieces, q, shared, masked, own, own_masked, sink = _case(torch.float32, 2, 1, 2, 32, 12, 0, seed=9, p_masked=0.0)
     for factor in (400.0, -400.0):
         qq = q * factor
         got = sink_kernel.attend_rows(qq, pieces, shared, masked, None, None, sink, 1.0)
@@ -111,8 +113,9 @@ def test_strided_queries_are_read_in_place():
     wide = torch.cat([q, torch.full_like(q[:, :, :1], float("nan"))], dim=2)[:, :, :4]
     assert wide.stride(1) == 5 * 64
     got = sink_kernel.attend_rows(wide, pieces, shared, masked, own, own_masked, sink, 0.125)
-    torch.testing.assert_close(got, sink_kernel.attend_rows(q, pieces, shared, masked, own, own_masked, sink,
-                                                            0.125), atol=0, rtol=0)
+    torch.testing.assert_close(
+        got, sink_kernel.attend_rows(q, pieces, shared, masked, own, own_masked, sink, 0.125), atol=0, rtol=0
+    )
 
 
 def test_bad_calls_are_errors_not_reads_out_of_bounds():

@@ -50,8 +50,11 @@ def test_without_native_16bit_gemm_a_16bit_linear_is_the_float32_product_rounded
     once = F.linear(x.float(), w.float()).to(dtype)
     # one rounding to dtype (its eps relative; its subnormal spacing near 0), plus float32 accumulation
     fi = torch.finfo(dtype)
-    ulp = (fi.eps * exact.abs() + fi.smallest_normal * fi.eps
-           + w.shape[1] * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T))
+    ulp = (
+        fi.eps * exact.abs()
+        + fi.smallest_normal * fi.eps
+        + w.shape[1] * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T)
+    )
 
     monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: False)
     got = cl.cpu_linear(w.clone())(x)
@@ -86,8 +89,9 @@ def _vllm_linears(w, quant_config, process=True):
     try:
         layers = {
             "replicated": ReplicatedLinear(96, 160, bias=False, quant_config=quant_config, return_bias=False),
-            "merged": MergedColumnParallelLinear(96, [64, 96], bias=False, quant_config=quant_config,
-                                                 return_bias=False),
+            "merged": MergedColumnParallelLinear(
+                96, [64, 96], bias=False, quant_config=quant_config, return_bias=False
+            ),
             "column": ColumnParallelLinear(96, 160, bias=False, quant_config=quant_config, return_bias=False),
             "row": RowParallelLinear(96, 160, bias=False, quant_config=quant_config, return_bias=False),
         }
@@ -148,7 +152,8 @@ def test_the_linears_load_through_the_same_vllm_loaders_as_unquantized_ones():
     for name in plain:
         assert routed[name].weight.weight_loader.__name__ == plain[name].weight.weight_loader.__name__, name
     assert {n: routed[n].weight.weight_loader.__name__ for n in ("merged", "column", "row")} == dict.fromkeys(
-        ("merged", "column", "row"), "weight_loader_v2")
+        ("merged", "column", "row"), "weight_loader_v2"
+    )
     # the merged layer's two shards (64 and 96 rows) through each loader: the same rows either way
     shards = (w[:64] * 2, w[64:] * 3)
     for layers in (plain, routed):
@@ -185,8 +190,14 @@ def test_a_kept_layer_keeps_its_loaded_weight_through_processing_and_computes_th
             assert (getattr(layer, "float32_weight", None) is not None) == route, name
     torch.set_default_dtype(dtype)
     try:
-        unmarked = RowParallelLinear(96, 160, bias=False, quant_config=cl.LINEARS, return_bias=False,
-                                     prefix="model.layers.1.ffn.shared_experts.down_proj")
+        unmarked = RowParallelLinear(
+            96,
+            160,
+            bias=False,
+            quant_config=cl.LINEARS,
+            return_bias=False,
+            prefix="model.layers.1.ffn.shared_experts.down_proj",
+        )
     finally:
         torch.set_default_dtype(torch.float32)
     with pytest.raises(RuntimeError, match=r"model\.layers\.1\.ffn\.shared_experts\.down_proj: .*keep_loaded_weight"):

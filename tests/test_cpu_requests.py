@@ -21,10 +21,12 @@ from vllm_dsv4_mtp.serve.shutdown import EndStreamsOnShutdown
 from vllm_dsv4_mtp.startup_checks import StartupCheckError, check_step_budget
 from vllm_dsv4_mtp.workarounds.cpu_requests import TOP_P_BELOW_ONE, ServingMode, guard_params
 
-CPU_MTP_CHUNKED = ServingMode(deepseek_v4=True, speculative=True, chunked_prefill=True, triton_top_k=False,
-                              cpu_generators=True)
-CPU_MTP = ServingMode(deepseek_v4=True, speculative=True, chunked_prefill=False, triton_top_k=False,
-                      cpu_generators=True)
+CPU_MTP_CHUNKED = ServingMode(
+    deepseek_v4=True, speculative=True, chunked_prefill=True, triton_top_k=False, cpu_generators=True
+)
+CPU_MTP = ServingMode(
+    deepseek_v4=True, speculative=True, chunked_prefill=False, triton_top_k=False, cpu_generators=True
+)
 
 
 def test_top_k_only_sampled_request_gets_top_p_below_one_with_mtp():
@@ -35,8 +37,12 @@ def test_top_k_only_sampled_request_gets_top_p_below_one_with_mtp():
         before = (params.top_k, params.top_p)
         guard_params(params, CPU_MTP)
         assert (params.top_k, params.top_p) == before  # greedy, or top_p given: untouched
-    for mode in (None, ServingMode(True, False, False, False, True), ServingMode(False, True, False, False, True),
-                 ServingMode(True, True, False, True, False)):  # unknown, MTP off, not DeepSeek-V4, ROCm/CUDA
+    for mode in (
+        None,
+        ServingMode(True, False, False, False, True),
+        ServingMode(False, True, False, False, True),
+        ServingMode(True, True, False, True, False),
+    ):  # unknown, MTP off, not DeepSeek-V4, ROCm/CUDA
         p = SamplingParams(temperature=0.8, top_k=5)
         guard_params(p, mode)
         assert p.top_p == 1.0
@@ -53,8 +59,9 @@ def test_top_p_below_one_keeps_vllms_top_k_set():
     got = apply_top_k_top_p_pytorch(logits.clone(), k.clone(), p, allow_cpu_sync=True)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(want)])
-    empty = apply_top_k_top_p_pytorch(torch.empty(0, 512), torch.empty(0, dtype=torch.long),
-                                      torch.empty(0), allow_cpu_sync=True)
+    empty = apply_top_k_top_p_pytorch(
+        torch.empty(0, 512), torch.empty(0, dtype=torch.long), torch.empty(0), allow_cpu_sync=True
+    )
     assert empty.shape == (0, 512)
 
 
@@ -62,17 +69,21 @@ def test_seeded_sampling_refused_only_with_chunked_prefill_on_cpu():
     with pytest.raises(VLLMValidationError, match="chunked prefill") as e:
         guard_params(SamplingParams(temperature=0.8, seed=1), CPU_MTP_CHUNKED)
     assert e.value.parameter == "seed"
-    for params, mode in ((SamplingParams(temperature=0.8, seed=1), CPU_MTP),  # no split prompt: served
-                         (SamplingParams(temperature=0.0, seed=1), CPU_MTP_CHUNKED),  # greedy: no generator
-                         (SamplingParams(temperature=0.8, seed=1), ServingMode(True, True, True, True, False))):
+    for params, mode in (
+        (SamplingParams(temperature=0.8, seed=1), CPU_MTP),  # no split prompt: served
+        (SamplingParams(temperature=0.0, seed=1), CPU_MTP_CHUNKED),  # greedy: no generator
+        (SamplingParams(temperature=0.8, seed=1), ServingMode(True, True, True, True, False)),
+    ):
         guard_params(params, mode)
 
 
 def _config(chunked, batched, scheduled, max_len):
     return SimpleNamespace(
-        scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked, max_num_batched_tokens=batched,
-                                         max_num_scheduled_tokens=scheduled),
-        model_config=SimpleNamespace(max_model_len=max_len))
+        scheduler_config=SimpleNamespace(
+            enable_chunked_prefill=chunked, max_num_batched_tokens=batched, max_num_scheduled_tokens=scheduled
+        ),
+        model_config=SimpleNamespace(max_model_len=max_len),
+    )
 
 
 def test_step_budget_check():
@@ -88,8 +99,7 @@ def test_middleware_ends_an_open_stream_once_the_engine_stops():
     app_state = SimpleNamespace(engine_client=client)
 
     async def endless_stream(scope, receive, send):
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         while True:
             await send({"type": "http.response.body", "body": b'data: {"x": 1}\n\n', "more_body": True})
             await asyncio.sleep(0.01)

@@ -14,8 +14,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import pytest
 import procs
+import pytest
 
 from vllm_dsv4_mtp import embedded
 from vllm_dsv4_mtp.cli import main
@@ -42,11 +42,17 @@ class _BurstyServer(ThreadingHTTPServer):
     def metrics(self) -> str:
         n = self.finished
         lines = [f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="m"}} {n}.0']
-        for name, per_request in (("request_decode_time_seconds", ENGINE_DECODE_S), ("request_prefill_time_seconds", 0.05),
-                                  ("request_queue_time_seconds", 0.0), ("e2e_request_latency_seconds", 0.26),
-                                  ("request_generation_tokens", len(ANSWER_TOKENS))):
-            lines += [f'vllm:{name}_count{{engine="0",model_name="m"}} {n}.0',
-                      f'vllm:{name}_sum{{engine="0",model_name="m"}} {n * per_request}']
+        for name, per_request in (
+            ("request_decode_time_seconds", ENGINE_DECODE_S),
+            ("request_prefill_time_seconds", 0.05),
+            ("request_queue_time_seconds", 0.0),
+            ("e2e_request_latency_seconds", 0.26),
+            ("request_generation_tokens", len(ANSWER_TOKENS)),
+        ):
+            lines += [
+                f'vllm:{name}_count{{engine="0",model_name="m"}} {n}.0',
+                f'vllm:{name}_sum{{engine="0",model_name="m"}} {n * per_request}',
+            ]
         return "\n".join(lines) + "\n"
 
 
@@ -70,8 +76,9 @@ class _Handler(BaseHTTPRequestHandler):
         events = [{"choices": [{"text": t, "finish_reason": None}]} for t in tokens]
         events.append({"choices": [], "usage": {"prompt_tokens": 22, "completion_tokens": len(tokens)}})
         self.server.finished += 1
-        self._send(b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n",
-                   "text/event-stream")
+        self._send(
+            b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n", "text/event-stream"
+        )
 
 
 @pytest.fixture
@@ -126,8 +133,10 @@ def test_demo_without_the_embedded_checkpoint_says_pass_model(monkeypatch, tmp_p
     monkeypatch.setattr(embedded, "MXFP4_CHECKPOINT_DIR", missing)
     assert main(["demo", "--log-dir", str(tmp_path / "logs")]) == 2
     out, err = capsys.readouterr()
-    assert err == (f"dsv4-mtp demo: error: no checkpoint at {missing} (the embedded checkpoints ship with the "
-                   "repository, not the wheel): pass --model DIR\n")
+    assert err == (
+        f"dsv4-mtp demo: error: no checkpoint at {missing} (the embedded checkpoints ship with the "
+        "repository, not the wheel): pass --model DIR\n"
+    )
     assert out == "" and not (tmp_path / "logs").exists()
 
 
@@ -143,8 +152,9 @@ def test_demo_end_to_end(tmp_path):
     assert f"  checkpoint: {MXFP4_CHECKPOINT_DIR}\n" in out
     problems = common.load_problems(limit=n)
     # every problem asked, answered, and judged by its #### value against the reference
-    verdicts = re.findall(r"^    -> (.+?): (RIGHT|WRONG) \(expected (\S+)\) \| acceptance length (\S+) \| (\d+) tokens",
-                          out, re.M)
+    verdicts = re.findall(
+        r"^    -> (.+?): (RIGHT|WRONG) \(expected (\S+)\) \| acceptance length (\S+) \| (\d+) tokens", out, re.M
+    )
     assert len(verdicts) == n, out
     for (got, verdict, want, al, _), p in zip(verdicts, problems):
         assert want == p["answer"].rsplit("#### ", 1)[1]
@@ -154,20 +164,30 @@ def test_demo_end_to_end(tmp_path):
         assert f"[{i}] Q: {p['question']}" in out
     right = sum(v[1] == "RIGHT" for v in verdicts)
     assert f"   right: {right}/{n}" in out
-    rows = {m[0]: m for m in re.findall(
-        r"^   \| (MTP K=2|MTP off) \| (\d+)/(\d+) \| (\S+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)}
+    rows = {
+        m[0]: m
+        for m in re.findall(
+            r"^   \| (MTP K=2|MTP off) \| (\d+)/(\d+) \| (\S+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$",
+            out,
+            re.M,
+        )
+    }
     assert set(rows) == {"MTP K=2", "MTP off"}, out
-    for label, (_, right_, n_, al_, tokens, decode, e2e_mean, e2e_tok_s) in rows.items():
+    for _label, (_, _right, n_, _al, tokens, decode, e2e_mean, e2e_tok_s) in rows.items():
         assert int(n_) == n and int(tokens) >= n
         # both rows on the same clocks and token counts, each within what its end-to-end times imply
         assert_consistent_with_e2e(float(decode), int(tokens), n, float(e2e_tok_s))
         # tok/s = tokens / (n * mean) exactly; the mean is printed to 0.01 s (an answer takes ~0.1 s here: 5 %)
         mean = float(e2e_mean)
-        assert within_printed(float(e2e_tok_s), int(tokens) / (n * (mean + 0.005)),
-                              int(tokens) / (n * max(mean - 0.005, 1e-9)), 0.1), (e2e_tok_s, tokens, n, mean)
+        assert within_printed(
+            float(e2e_tok_s), int(tokens) / (n * (mean + 0.005)), int(tokens) / (n * max(mean - 0.005, 1e-9)), 0.1
+        ), (e2e_tok_s, tokens, n, mean)
     on, off = rows["MTP K=2"], rows["MTP off"]
-    m = re.search(r"MTP K=2 vs MTP off: decode ([\d.]+) vs ([\d.]+) tokens/s \(([\d.]+)x\); end to end "
-                  r"([\d.]+) vs ([\d.]+) tokens/s \(([\d.]+)x, mean ([\d.]+) s -> ([\d.]+) s\)", out)
+    m = re.search(
+        r"MTP K=2 vs MTP off: decode ([\d.]+) vs ([\d.]+) tokens/s \(([\d.]+)x\); end to end "
+        r"([\d.]+) vs ([\d.]+) tokens/s \(([\d.]+)x, mean ([\d.]+) s -> ([\d.]+) s\)",
+        out,
+    )
     assert m, out
     d_on, d_off, d_x, e_on, e_off, e_x, mean_off, mean_on = map(float, m.groups())
     assert (d_on, d_off, e_on, e_off) == (float(on[5]), float(off[5]), float(on[7]), float(off[7]))
@@ -182,4 +202,3 @@ def test_demo_end_to_end(tmp_path):
     # greedy speculative decoding is lossless: the same answers with and without MTP
     assert f"answers identical with and without MTP: {n}/{n}" in out
     assert (tmp_path / "server-k2.log").is_file() and (tmp_path / "server-off.log").is_file()
-

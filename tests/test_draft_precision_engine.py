@@ -48,14 +48,17 @@ def _record(llm):
     calls = []
 
     def record(module, args, kwargs, out):
-        calls.append({k: kwargs[k].detach().clone() for k in ("input_ids", "positions", "hidden_states")}
-                     | {"out": out.detach().clone()})
+        calls.append(
+            {k: kwargs[k].detach().clone() for k in ("input_ids", "positions", "hidden_states")}
+            | {"out": out.detach().clone()}
+        )
 
     prompts = random_prompts(PROMPT_LENS, seed=7)
     handle = draft.register_forward_hook(record, with_kwargs=True)
     try:
-        llm.generate([{"prompt_token_ids": p} for p in prompts],
-                     SamplingParams(max_tokens=2, temperature=0.0, detokenize=False))
+        llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=2, temperature=0.0, detokenize=False)
+        )
     finally:
         handle.remove()
     return {"draft": draft, "calls": calls, "prompts": prompts}
@@ -67,10 +70,18 @@ def runs(ckpt):
     modules and their recorded calls outlive them."""
     out = {}
     for precision in ("bf16", "stored"):
-        with vllm_engine(ckpt, in_process=True, dtype="float32", enforce_eager=True, max_model_len=512,
-                         max_num_seqs=4, skip_tokenizer_init=True, seed=0,
-                         env={"VLLM_DSV4_MTP_DRAFT_PRECISION": precision},
-                         speculative_config={"method": "mtp", "num_speculative_tokens": K}) as llm:
+        with vllm_engine(
+            ckpt,
+            in_process=True,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=512,
+            max_num_seqs=4,
+            skip_tokenizer_init=True,
+            seed=0,
+            env={"VLLM_DSV4_MTP_DRAFT_PRECISION": precision},
+            speculative_config={"method": "mtp", "num_speculative_tokens": K},
+        ) as llm:
             out[precision] = _record(llm)
     return out
 
@@ -130,8 +141,12 @@ def _draft_logits_vs_reference(run, ref):
         rows = slice(start, start + n)
         with torch.no_grad():
             cache = DynamicCache(config=ref.config)
-            state = ref(step1["hidden_states"][rows].view(1, n, hc, d), step1["input_ids"][rows][None].long(),
-                        torch.arange(n)[None], past_key_values=cache)
+            state = ref(
+                step1["hidden_states"][rows].view(1, n, hc, d),
+                step1["input_ids"][rows][None].long(),
+                torch.arange(n)[None],
+                past_key_values=cache,
+            )
             got = draft.compute_logits(step1["out"][rows])
             diffs += (got - ref.logits(state)[0]).abs().amax(-1).tolist()
             got_all.append(got)
@@ -165,8 +180,10 @@ def test_stored_computes_the_stored_scheme(runs, ckpt):
     _, bf16 = _draft_logits_vs_reference(runs["bf16"], _reference(ckpt, rounded=False))
     effect = (stored - bf16).abs().amax(-1)
     off = diffs > LOGIT_ATOL
-    print(f"stored draft vs rounded reference: {off.sum()} of {len(diffs)} rows over {LOGIT_ATOL} (max "
-          f"{diffs.max():.2e}); stored vs bf16 per row: median {effect.median():.2e}, max {effect.max():.2e}")
+    print(
+        f"stored draft vs rounded reference: {off.sum()} of {len(diffs)} rows over {LOGIT_ATOL} (max "
+        f"{diffs.max():.2e}); stored vs bf16 per row: median {effect.median():.2e}, max {effect.max():.2e}"
+    )
     # a rounding input that sits on a boundary may go either way under another summation order upstream: such a
     # row moves by one rounding step's effect, far below what the scheme itself does to every row
     assert off.sum() <= MAX_BOUNDARY_ROWS * len(diffs)

@@ -6,11 +6,9 @@ import json
 import re
 from pathlib import Path
 
-import pytest
 import torch
 
-from vllm_dsv4_mtp.embedded import (ASSETS_DIR, BF16_CHECKPOINT_DIR, FEWSHOT_JSONL, MXFP4_CHECKPOINT_DIR,
-                                    TEST_JSONL)
+from vllm_dsv4_mtp.embedded import ASSETS_DIR, BF16_CHECKPOINT_DIR, FEWSHOT_JSONL, MXFP4_CHECKPOINT_DIR, TEST_JSONL
 from vllm_dsv4_mtp.embedded import data as gsm
 
 ARITH = re.compile(r"(\d+) ([-+*/]) (\d+) = \$?(\d+)")
@@ -56,8 +54,12 @@ def test_build_assets_regenerates_the_shipped_files_byte_for_byte(tmp_path):
     """``python -m vllm_dsv4_mtp.embedded.data --seed 0`` (what the embedded README says made them): the held-out
     set, the few-shot examples and the tokenizer, trained with the tiny checkpoints' one BPE trainer."""
     gsm.build_assets(tmp_path, seed=0)
-    for rel in ("gsm_tiny_test.jsonl", "gsm_tiny_fewshot.jsonl", "tokenizer/tokenizer.json",
-                "tokenizer/tokenizer_config.json"):
+    for rel in (
+        "gsm_tiny_test.jsonl",
+        "gsm_tiny_fewshot.jsonl",
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+    ):
         assert (tmp_path / rel).read_bytes() == (ASSETS_DIR / rel).read_bytes(), rel
 
 
@@ -68,7 +70,6 @@ def test_tokenizer_loads_for_transformers_and_vllm_deepseek_v4_mode():
     """vLLM 0.32 forces tokenizer_mode=deepseek_v4 for DeepseekV4ForCausalLM: TokenizersBackend on the
     model directory, DeepSeek's chat encoder on top. Both must load the shipped files."""
     from transformers import AutoTokenizer
-
     from vllm.tokenizers.deepseek_v4 import DeepseekV4Tokenizer
 
     text = gsm.format_prompt(gsm.read_jsonl(TEST_JSONL)[0]["question"])

@@ -28,9 +28,11 @@ def _left_behind() -> dict:
     import torch.distributed
     import vllm.envs
 
-    return {"env": {k: os.environ.get(k) for k in SET},
-            "vllm_reads": (vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING, vllm.envs.VLLM_MLA_DISABLE),
-            "groups": torch.distributed.is_initialized()}
+    return {
+        "env": {k: os.environ.get(k) for k in SET},
+        "vllm_reads": (vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING, vllm.envs.VLLM_MLA_DISABLE),
+        "groups": torch.distributed.is_initialized(),
+    }
 
 
 def test_in_process_engine_with_apply_model_is_undone(ckpt, monkeypatch):
@@ -39,11 +41,25 @@ def test_in_process_engine_with_apply_model_is_undone(ckpt, monkeypatch):
     monkeypatch.setenv("VLLM_MLA_DISABLE", "0")  # a value of the caller's, to be given back
     before = _left_behind()
     assert before["vllm_reads"] == (True, False) and before["groups"] is False
-    with vllm_engine(ckpt, in_process=True, apply_model=True, env={"VLLM_MLA_DISABLE": "1"}, dtype="float32",
-                     enforce_eager=True, max_model_len=256, skip_tokenizer_init=True) as llm:
-        assert _left_behind() == {"env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-                                          "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_MLA_DISABLE": "1"},
-                                  "vllm_reads": (False, True), "groups": True}
+    with vllm_engine(
+        ckpt,
+        in_process=True,
+        apply_model=True,
+        env={"VLLM_MLA_DISABLE": "1"},
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        skip_tokenizer_init=True,
+    ) as llm:
+        assert _left_behind() == {
+            "env": {
+                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_MLA_DISABLE": "1",
+            },
+            "vllm_reads": (False, True),
+            "groups": True,
+        }
         # in this process: the engine core is reachable, and apply_model ships its function to the worker
         assert type(llm.llm_engine.engine_core).__name__ == "InprocClient"
         assert llm.apply_model(operator.methodcaller("describe"))[0]["dtype"] == "torch.float32"
@@ -61,7 +77,8 @@ def test_failed_in_process_start_is_undone(ckpt, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-1000])  # fails in the worker, after it built the distributed groups
     before = _left_behind()
     with pytest.raises(CheckpointError, match="truncated safetensors file"):
-        with vllm_engine(bad, in_process=True, dtype="float32", enforce_eager=True, max_model_len=256,
-                         skip_tokenizer_init=True):
+        with vllm_engine(
+            bad, in_process=True, dtype="float32", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True
+        ):
             pass  # not reached: the engine must not start
     assert _left_behind() == before

@@ -12,17 +12,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import procs
 import pytest
 import yaml
-import procs
 
+from vllm_dsv4_mtp.cli import build_parser
 from vllm_dsv4_mtp.embedded import FEWSHOT_JSONL, TEST_JSONL
 from vllm_dsv4_mtp.evaluate import common
-from vllm_dsv4_mtp.cli import build_parser
 from vllm_dsv4_mtp.evaluate.eval_ab import AbRun, compare, report
 from vllm_dsv4_mtp.evaluate.eval_runs import lmeval_run
-from vllm_dsv4_mtp.evaluate.lmeval import (LOCAL_TASK, LmEvalError, SampleAnswer, parse_results,
-                                           write_local_task)
+from vllm_dsv4_mtp.evaluate.lmeval import LOCAL_TASK, LmEvalError, SampleAnswer, parse_results, write_local_task
 
 DSV4_MTP = str(Path(sys.executable).parent / "dsv4-mtp")
 LMEVAL_GSM8K = Path(__import__("lm_eval").__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml"
@@ -36,8 +35,18 @@ def test_local_task_is_lm_evals_gsm8k_on_local_jsonl(tmp_path):
     ours = yaml.safe_load((inc / f"{LOCAL_TASK}.yaml").read_text())
     stock = yaml.safe_load(LMEVAL_GSM8K.read_text())
     # everything that decides the prompt, the stop strings and the score is gsm8k's own
-    for key in ("output_type", "doc_to_text", "doc_to_target", "metric_list", "filter_list", "generation_kwargs",
-                "training_split", "fewshot_split", "test_split", "repeats"):
+    for key in (
+        "output_type",
+        "doc_to_text",
+        "doc_to_target",
+        "metric_list",
+        "filter_list",
+        "generation_kwargs",
+        "training_split",
+        "fewshot_split",
+        "test_split",
+        "repeats",
+    ):
         assert ours[key] == stock[key], key
     assert [f["name"] for f in ours["filter_list"]] == ["strict-match", "flexible-extract"]
     # only the data source differs: the shipped JSONL, absolute paths; 8-shot like vLLM's DeepSeek-V4 recipe
@@ -99,8 +108,14 @@ def test_lm_eval_scores_strict_and_flexible_as_gsm8k_and_parse_reads_them(tmp_pa
     }
     lm = _ScriptedLM(answers)
     inc = write_local_task(tmp_path, TEST_JSONL, FEWSHOT_JSONL)
-    res = simple_evaluate(model=lm, tasks=[LOCAL_TASK], num_fewshot=2, limit=4,
-                          task_manager=TaskManager(include_path=str(inc)), log_samples=False)
+    res = simple_evaluate(
+        model=lm,
+        tasks=[LOCAL_TASK],
+        num_fewshot=2,
+        limit=4,
+        task_manager=TaskManager(include_path=str(inc)),
+        log_samples=False,
+    )
     score = parse_results(res, LOCAL_TASK)
     assert (score.n, score.num_fewshot) == (4, 2)
     assert score.strict == pytest.approx(0.5) and score.flexible == pytest.approx(0.75)
@@ -123,10 +138,19 @@ def test_parse_results_names_what_is_missing(tmp_path):
 
 
 # vLLM's DeepSeek-V4 recipe, as published (model and host filled in)
-RECIPE = ["--model", "local-completions", "--model_args",
-          "model=deepseek-ai/DeepSeek-V4-Pro,base_url=http://127.0.0.1:8000/v1/completions,num_concurrent=128,"
-          "max_retries=10,max_gen_toks=2048,timeout=60000", "--batch_size", "auto", "--tasks", "gsm8k",
-          "--num_fewshot", "8"]
+RECIPE = [
+    "--model",
+    "local-completions",
+    "--model_args",
+    "model=deepseek-ai/DeepSeek-V4-Pro,base_url=http://127.0.0.1:8000/v1/completions,num_concurrent=128,"
+    "max_retries=10,max_gen_toks=2048,timeout=60000",
+    "--batch_size",
+    "auto",
+    "--tasks",
+    "gsm8k",
+    "--num_fewshot",
+    "8",
+]
 
 
 def _eval_args(*argv: str):
@@ -155,11 +179,25 @@ def test_local_task_keeps_the_recipe_settings_and_sends_text():
     args = _eval_args("--base-url", "http://127.0.0.1:8000/v1", "--task", "local", "--limit", "5")
     run = lmeval_run(args, args.base_url, "dsv4-tiny", Path("o"), Path("inc"))
     assert run.lm_eval_args() == [
-        "--model", "local-completions", "--model_args",
+        "--model",
+        "local-completions",
+        "--model_args",
         "model=dsv4-tiny,base_url=http://127.0.0.1:8000/v1/completions,num_concurrent=128,max_retries=10,"
         "max_gen_toks=2048,timeout=60000,tokenizer_backend=None,tokenized_requests=False",
-        "--batch_size", "auto", "--tasks", LOCAL_TASK, "--num_fewshot", "8", "--output_path", "o", "--log_samples",
-        "--include_path", "inc", "--limit", "5"]
+        "--batch_size",
+        "auto",
+        "--tasks",
+        LOCAL_TASK,
+        "--num_fewshot",
+        "8",
+        "--output_path",
+        "o",
+        "--log_samples",
+        "--include_path",
+        "inc",
+        "--limit",
+        "5",
+    ]
     assert run.offline and run.env()["HF_DATASETS_OFFLINE"] == "1"
 
 
@@ -167,17 +205,26 @@ def test_local_task_keeps_the_recipe_settings_and_sends_text():
 def test_gsm8k_offline_without_the_dataset_fails_in_one_line(tmp_path, task_args):
     """Offline with an empty Hugging Face cache: one line saying what is missing and how to get it, before any
     server is asked (port 9 has none), and never a silent switch to the shipped tiny task."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME")
+    }
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     out = tmp_path / "out"
-    r = subprocess.run([DSV4_MTP, "eval", "--base-url", "http://127.0.0.1:9", *task_args, "--out", str(out)],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        [DSV4_MTP, "eval", "--base-url", "http://127.0.0.1:9", *task_args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 1 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("dsv4-mtp eval: error: lm-eval's gsm8k dataset (openai/gsm8k, config main) is not "
-                               f"cached ({tmp_path / 'hf'})")
+    assert lines[0].startswith(
+        f"dsv4-mtp eval: error: lm-eval's gsm8k dataset (openai/gsm8k, config main) is not cached ({tmp_path / 'hf'})"
+    )
     assert "python -c \"import datasets; datasets.load_dataset('openai/gsm8k', 'main')\"" in lines[0]
     assert "--task local" in lines[0]
     assert not out.exists() or not any(out.rglob("*"))  # no task written, no lm-eval run
@@ -191,14 +238,30 @@ def _sample(doc_id: int, text: str, correct: bool) -> SampleAnswer:
 def test_ab_report_compares_answer_by_answer():
     def result(strict, flex, al=None, pos=None):
         sd = None if al is None else {"mean_acceptance_length": al, "per_position_acceptance": pos}
-        return {"score": {"strict": strict, "strict_stderr": 0.05, "flexible": flex, "flexible_stderr": None,
-                          "n": 3}, "spec_decode": sd, "wall_s": 12.0, "lm_eval_command": f"lm_eval --x {strict}"}
+        return {
+            "score": {"strict": strict, "strict_stderr": 0.05, "flexible": flex, "flexible_stderr": None, "n": 3},
+            "spec_decode": sd,
+            "wall_s": 12.0,
+            "lm_eval_command": f"lm_eval --x {strict}",
+        }
 
-    base = AbRun("off", base_url="http://a", model="m", mtp="off", result=result(0.5, 0.6),
-                 answers={i: _sample(i, f"#### {i}", i != 2) for i in range(3)})
-    on = AbRun("k2", base_url="http://b", model="m", mtp="K=2", baseline="off",
-               result=result(0.4, 0.6, 2.5, [0.8, 0.7]),
-               answers={0: _sample(0, "#### 0", True), 1: _sample(1, "#### 7", False), 2: _sample(2, "#### 2", False)})
+    base = AbRun(
+        "off",
+        base_url="http://a",
+        model="m",
+        mtp="off",
+        result=result(0.5, 0.6),
+        answers={i: _sample(i, f"#### {i}", i != 2) for i in range(3)},
+    )
+    on = AbRun(
+        "k2",
+        base_url="http://b",
+        model="m",
+        mtp="K=2",
+        baseline="off",
+        result=result(0.4, 0.6, 2.5, [0.8, 0.7]),
+        answers={0: _sample(0, "#### 0", True), 1: _sample(1, "#### 7", False), 2: _sample(2, "#### 2", False)},
+    )
     compare([base, on])
     assert on.identical == (2, 3) and on.differing == [1]
     lines = report([base, on]).splitlines()
@@ -224,13 +287,33 @@ def test_eval_local_task_against_server(server, tmp_path):
     from vllm_dsv4_mtp.evaluate.client import complete
 
     out = tmp_path / "eval"
-    r = procs.run([DSV4_MTP, "eval", "--base-url", server.base_url, "--task", "local", "--limit", "3",
-                   "--num-fewshot", "2", "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out),
-                   "--json"], timeout=900)
+    r = procs.run(
+        [
+            DSV4_MTP,
+            "eval",
+            "--base-url",
+            server.base_url,
+            "--task",
+            "local",
+            "--limit",
+            "3",
+            "--num-fewshot",
+            "2",
+            "--max-gen-toks",
+            "48",
+            "--num-concurrent",
+            "1",
+            "--out",
+            str(out),
+            "--json",
+        ],
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(r.stdout)
-    assert res["lm_eval_command"].startswith("HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 lm_eval --model local-completions "
-                                             "--model_args model=dsv4-tiny,")
+    assert res["lm_eval_command"].startswith(
+        "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 lm_eval --model local-completions --model_args model=dsv4-tiny,"
+    )
     score = res["score"]
     assert score["task"] == LOCAL_TASK and score["n"] == 3 and score["num_fewshot"] == 2
     assert 0.0 <= score["strict"] <= 1.0 and 0.0 <= score["flexible"] <= 1.0
@@ -252,8 +335,7 @@ def test_eval_local_task_against_server(server, tmp_path):
         # lm-eval's strict-match verdict on the real answer agrees with the demo's judge
         assert bool(s["exact_match"]) == common.is_correct(answer, problems[doc_id])
     assert score["strict"] == pytest.approx(sum(s["exact_match"] for s in by_filter["strict-match"].values()) / 3)
-    assert score["flexible"] == pytest.approx(
-        sum(s["exact_match"] for s in by_filter["flexible-extract"].values()) / 3)
+    assert score["flexible"] == pytest.approx(sum(s["exact_match"] for s in by_filter["flexible-extract"].values()) / 3)
     sd = res["spec_decode"]
     assert sd["num_drafts"] > 0 and 1.0 <= sd["mean_acceptance_length"] <= 1.0 + K
     assert len(sd["per_position_acceptance"]) == K
@@ -264,9 +346,30 @@ def test_ab_over_running_servers_compares_every_answer(server, tmp_path):
     """--ab over servers given by URL (here the same one twice): both runs scored, MTP read from /metrics, and
     every answer compared with the baseline's (greedy, one request at a time: all identical)."""
     out = tmp_path / "ab"
-    r = procs.run([DSV4_MTP, "eval", "--ab", "--task", "local", "--server", f"first={server.base_url}",
-                   "--server", f"again={server.base_url}/v1", "--limit", "3", "--num-fewshot", "2",
-                   "--max-gen-toks", "48", "--num-concurrent", "1", "--out", str(out)], timeout=900)
+    r = procs.run(
+        [
+            DSV4_MTP,
+            "eval",
+            "--ab",
+            "--task",
+            "local",
+            "--server",
+            f"first={server.base_url}",
+            "--server",
+            f"again={server.base_url}/v1",
+            "--limit",
+            "3",
+            "--num-fewshot",
+            "2",
+            "--max-gen-toks",
+            "48",
+            "--num-concurrent",
+            "1",
+            "--out",
+            str(out),
+        ],
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     mtp = f"K={K}"
     rows = [line for line in r.stdout.splitlines() if line.startswith(("| first |", "| again |"))]
@@ -283,14 +386,34 @@ def test_ab_over_running_servers_compares_every_answer(server, tmp_path):
 
 
 def test_eval_reports_an_unreachable_server(tmp_path):
-    r = subprocess.run([DSV4_MTP, "eval", "--base-url", "http://127.0.0.1:9", "--task", "local", "--out",
-                        str(tmp_path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [DSV4_MTP, "eval", "--base-url", "http://127.0.0.1:9", "--task", "local", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and "cannot reach http://127.0.0.1:9/health" in r.stderr, r.stderr
 
 
 def test_ab_refuses_an_unknown_baseline(tmp_path):
-    r = subprocess.run([DSV4_MTP, "eval", "--ab", "--task", "local", "--server", "a=http://127.0.0.1:9",
-                        "--baseline", "b", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            DSV4_MTP,
+            "eval",
+            "--ab",
+            "--task",
+            "local",
+            "--server",
+            "a=http://127.0.0.1:9",
+            "--baseline",
+            "b",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and "--baseline 'b' is none of the runs ['a']" in r.stderr, r.stderr
 
 
@@ -304,8 +427,10 @@ def test_ab_without_the_embedded_checkpoints_says_what_to_pass(monkeypatch, tmp_
     monkeypatch.setattr(embedded, "MXFP4_CHECKPOINT_DIR", missing)
     assert main(["eval", "--ab", "--task", "local", "--out", str(tmp_path / "out")]) == 2
     out, err = capsys.readouterr()
-    assert err == (f"dsv4-mtp eval --ab: error: no checkpoint at {missing} (the embedded checkpoints ship with the "
-                   "repository, not the wheel): pass --server URL or --checkpoint NAME=DIR\n")
+    assert err == (
+        f"dsv4-mtp eval --ab: error: no checkpoint at {missing} (the embedded checkpoints ship with the "
+        "repository, not the wheel): pass --server URL or --checkpoint NAME=DIR\n"
+    )
     assert out == "" and not (tmp_path / "out").exists()
 
 
@@ -319,8 +444,11 @@ def test_wait_healthy_fails_fast_with_the_exit_status_of_a_crashed_server():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     t0 = time.monotonic()
-    with pytest.raises(ServerExitedError, match=rf"^the server for http://127.0.0.1:{port}/health exited with status 3 "
-                                                r"before becoming healthy$") as e:
+    with pytest.raises(
+        ServerExitedError,
+        match=rf"^the server for http://127.0.0.1:{port}/health exited with status 3 "
+        r"before becoming healthy$",
+    ) as e:
         wait_healthy(f"http://127.0.0.1:{port}/v1", 300, poll_s=0.2, exit_status=proc.poll)
     assert e.value.status == 3 and time.monotonic() - t0 < 60
     # without a process to watch, the time allowed runs out and says so

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_dsv4_mtp.formats import mxfp4
 from vllm_dsv4_mtp import portable_quant_config as portable_quant
+from vllm_dsv4_mtp.formats import mxfp4
 from vllm_dsv4_mtp.model import experts, split_sums
 
 
@@ -29,8 +29,14 @@ def test_portable_quant_config_claims_dsv4_only_off_gfx950():
 
 def _expert_weights(num_experts, hidden, inter, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [{"w1": torch.randn(inter, hidden, generator=g), "w3": torch.randn(inter, hidden, generator=g),
-             "w2": torch.randn(hidden, inter, generator=g)} for _ in range(num_experts)]
+    return [
+        {
+            "w1": torch.randn(inter, hidden, generator=g),
+            "w3": torch.randn(inter, hidden, generator=g),
+            "w2": torch.randn(hidden, inter, generator=g),
+        }
+        for _ in range(num_experts)
+    ]
 
 
 def _load(ex, weights):
@@ -47,7 +53,7 @@ def _reference(x, weights, ids, ws, limit, w4a4):
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             p = weights[int(ids[t, k])]
-            xt = act(x[t:t + 1].double())
+            xt = act(x[t : t + 1].double())
             h = experts.swiglu_clamped(xt @ p["w1"].double().T, xt @ p["w3"].double().T, limit)
             out[t] += float(ws[t, k]) * (act(h) @ p["w2"].double().T)[0]
     return out
@@ -100,15 +106,20 @@ def test_shared_expert_in_the_routed_pass_is_bit_identical(dtype, w4a4, split):
     none of whose experts a token hit (an expert-parallel rank's experts; the MoE itself only fuses where the
     shared expert has the routed experts' width, which under expert parallelism is a single rank)."""
     E, D, I = 8, 64, 64  # a TP rank's half (32) is still one MXFP4 block wide
-    tp = {"none": {}, "tp": dict(tp_rank=1, tp_size=2),
-          "no_local_hit": dict(tp_rank=1, tp_size=2, expert_parallel=True)}[split]
+    tp = {
+        "none": {},
+        "tp": dict(tp_rank=1, tp_size=2),
+        "no_local_hit": dict(tp_rank=1, tp_size=2, expert_parallel=True),
+    }[split]
     expert_parallel = split == "no_local_hit"
     ex = experts.PortableExperts(E, D, I, 10.0, activation_quant=w4a4, dtype=dtype, **tp)
     _load(ex, _expert_weights(E, D, I, seed=5))
     ex.pack()
     g = torch.Generator().manual_seed(6)
-    w13, w2 = (torch.randn(2 * ex.local_intermediate, D, generator=g).to(dtype),
-               torch.randn(D, ex.local_intermediate, generator=g).to(dtype))
+    w13, w2 = (
+        torch.randn(2 * ex.local_intermediate, D, generator=g).to(dtype),
+        torch.randn(D, ex.local_intermediate, generator=g).to(dtype),
+    )
     dense = (lambda v: v @ w13.T, lambda h: h @ w2.T)
     act = mxfp4.fake_quant if w4a4 else (lambda v: v)
     for tokens in (1, 7, 50):
@@ -129,8 +140,9 @@ def test_parallel_ranks_sum_to_the_whole(expert_parallel):
     _load(full, weights)
     parts = []
     for r in range(2):
-        part = experts.PortableExperts(E, D, I, 10.0, tp_rank=r, tp_size=2, expert_parallel=expert_parallel,
-                                       dtype=torch.float32)
+        part = experts.PortableExperts(
+            E, D, I, 10.0, tp_rank=r, tp_size=2, expert_parallel=expert_parallel, dtype=torch.float32
+        )
         _load(part, weights)
         parts.append(part)
     g = torch.Generator().manual_seed(5)  # inputs independent of the tests run before
@@ -176,8 +188,10 @@ def test_all_expert_pass_computes_the_dispatch(dtype, w4a4, split, with_shared):
     g = torch.Generator().manual_seed(8)
     shared = None
     if with_shared:
-        shared = (torch.randn(2 * ex.local_intermediate, D, generator=g).to(dtype) / 8,
-                  torch.randn(D, ex.local_intermediate, generator=g).to(dtype) / 8)
+        shared = (
+            torch.randn(2 * ex.local_intermediate, D, generator=g).to(dtype) / 8,
+            torch.randn(D, ex.local_intermediate, generator=g).to(dtype) / 8,
+        )
     for tokens in (1, 7, 50):
         x = torch.randn(tokens, D, generator=g).to(dtype)
         ids = torch.randint(0, E, (tokens, 2), generator=g)

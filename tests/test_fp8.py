@@ -28,7 +28,9 @@ def test_partial_edge_blocks_get_their_own_scale():
 def test_values_are_weight_times_scale_exactly():
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(130, 257, generator=g) * 50).to(torch.float8_e4m3fn)
-    scale_bytes = torch.randint(100, 140, fp8.block_scale_shape(w.shape), generator=g, dtype=torch.int64).to(torch.uint8)
+    scale_bytes = torch.randint(100, 140, fp8.block_scale_shape(w.shape), generator=g, dtype=torch.int64).to(
+        torch.uint8
+    )
     ref = torch.empty(130, 257, dtype=torch.float64)
     wf = w.to(torch.float64)
     for bi in range(scale_bytes.shape[0]):
@@ -68,7 +70,7 @@ def test_official_layout_through_safetensors(tmp_path):
     assert torch.equal(out, fp8.dequantize_block_fp8(q, s))
     # e4m3 keeps 3 mantissa bits: relative error <= 2**-4 of the value, plus the block's subnormal floor
     err = (out.float() - w).abs()
-    assert torch.all(err <= w.abs() * 2 ** -4 + 2 ** -9 * fp8.scale_to_float(s).max())
+    assert torch.all(err <= w.abs() * 2**-4 + 2**-9 * fp8.scale_to_float(s).max())
 
 
 def test_encoder_round_trip_and_scale_rule():
@@ -76,7 +78,7 @@ def test_encoder_round_trip_and_scale_rule():
     g = torch.Generator().manual_seed(3)
     grid = (torch.randn(256, 256, generator=g) * 100).to(torch.float8_e4m3fn).float()
     grid[0, 0] = 448.0  # amax 448 -> scale exactly 1 in every block that holds it
-    w = grid * 2.0 ** -10
+    w = grid * 2.0**-10
     q, s = fp8.quantize_block_fp8(w)
     assert s.dtype == torch.uint8 and s.shape == (2, 2)
     assert s[0, 0].item() == 127 - 10
@@ -98,8 +100,11 @@ def test_encoder_round_trip_and_scale_rule():
 
 def test_errors_name_the_tensor():
     w = torch.zeros(256, 300).to(torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match=r"layers\.3\.attn\.wo_a\.weight: FP8 block scale shape \(2, 2\) does not "
-                                         r"match weight shape \(256, 300\): expected \(2, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.3\.attn\.wo_a\.weight: FP8 block scale shape \(2, 2\) does not "
+        r"match weight shape \(256, 300\): expected \(2, 3\)",
+    ):
         fp8.dequantize_block_fp8(w, torch.zeros(2, 2, dtype=torch.uint8), name="layers.3.attn.wo_a.weight")
     with pytest.raises(TypeError, match=r"mtp\.0\.e_proj\.weight: FP8 block weight must be float8_e4m3fn"):
         fp8.dequantize_block_fp8(torch.zeros(256, 300), torch.zeros(2, 3), name="mtp.0.e_proj.weight")
@@ -125,5 +130,6 @@ def test_non_contiguous_inputs():
         assert not q_view.is_contiguous()
         assert torch.equal(fp8.dequantize_block_fp8(q_view, sc), fp8.dequantize_block_fp8(qc, sc))
         shard = qc[:, :128]
-        assert torch.equal(fp8.dequantize_block_fp8(shard, sc[:, :1]),
-                           fp8.dequantize_block_fp8(shard.contiguous(), sc[:, :1]))
+        assert torch.equal(
+            fp8.dequantize_block_fp8(shard, sc[:, :1]), fp8.dequantize_block_fp8(shard.contiguous(), sc[:, :1])
+        )

@@ -31,11 +31,22 @@ from engines import drafter, vllm_engine
 
 pytestmark = [pytest.mark.gfx950, pytest.mark.engine]
 
-GFX950_DIMS = dict(hidden_size=256, head_dim=512, qk_rope_head_dim=64, index_n_heads=64, index_head_dim=128,
-                   num_attention_heads=16, o_groups=4, moe_intermediate_size=256)
+GFX950_DIMS = dict(
+    hidden_size=256,
+    head_dim=512,
+    qk_rope_head_dim=64,
+    index_n_heads=64,
+    index_head_dim=128,
+    num_attention_heads=16,
+    o_groups=4,
+    moe_intermediate_size=256,
+)
 #: what the MI355 profiles set (vllm_dsv4_mtp/serve/profiles.py)
-PROFILE_ENV = {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MOE": "1",
-               "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}
+PROFILE_ENV = {
+    "VLLM_ROCM_USE_AITER": "1",
+    "VLLM_ROCM_USE_AITER_MOE": "1",
+    "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1",
+}
 
 
 def _engaged_checkpoint(path, seed: int):
@@ -62,8 +73,16 @@ def test_gfx950_draft_logits_equal_the_reference(tmp_path, fse, moe_backend):
     ckpt = _engaged_checkpoint(tmp_path / "engaged", seed=0)
     env = dict(PROFILE_ENV, VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS="1" if fse else "0")
     # in-process: the test reaches the draft model object
-    with vllm_engine(ckpt, in_process=True, env=env, dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True,
-                     moe_backend=moe_backend, speculative_config={"method": "mtp", "num_speculative_tokens": 1}) as llm:
+    with vllm_engine(
+        ckpt,
+        in_process=True,
+        env=env,
+        dtype="bfloat16",
+        max_model_len=512,
+        skip_tokenizer_init=True,
+        moe_backend=moe_backend,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    ) as llm:
         draft = drafter(llm)
         assert isinstance(draft, DeepSeekV4MTPModel)
         layer = draft.model.layers[str(cfg["num_hidden_layers"])]
@@ -94,8 +113,9 @@ def test_gfx950_draft_logits_equal_the_reference(tmp_path, fse, moe_backend):
     assert (lg.argmax(-1) == lw.argmax(-1)).float().mean().item() >= 0.95
 
 
-@pytest.mark.parametrize("k,lens", [(3, (37,)), (1, (5, 40, 130)), (2, (5, 40, 130)), (3, (5, 40, 130))],
-                         ids=["batch1-k3", "k1", "k2", "k3"])
+@pytest.mark.parametrize(
+    "k,lens", [(3, (37,)), (1, (5, 40, 130)), (2, (5, 40, 130)), (3, (5, 40, 130))], ids=["batch1-k3", "k1", "k2", "k3"]
+)
 def test_gfx950_greedy_mtp_equals_mtp_off(tmp_path, k, lens):
     from vllm import SamplingParams
 
@@ -108,11 +128,22 @@ def test_gfx950_greedy_mtp_equals_mtp_off(tmp_path, k, lens):
     outs = {}
     for spec in (None, {"method": "mtp", "num_speculative_tokens": k}):
         # one request at a time for batch 1: every verify window of K = 3 is the 4-token path
-        with vllm_engine(ckpt, in_process=True, env=PROFILE_ENV, dtype="bfloat16", max_model_len=512,
-                         skip_tokenizer_init=True, disable_log_stats=False, moe_backend="aiter",
-                         kv_cache_dtype="fp8", max_num_seqs=len(prompts), speculative_config=spec) as llm:
-            outs[spec is None] = [list(o.outputs[0].token_ids) for o in
-                                  llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        with vllm_engine(
+            ckpt,
+            in_process=True,
+            env=PROFILE_ENV,
+            dtype="bfloat16",
+            max_model_len=512,
+            skip_tokenizer_init=True,
+            disable_log_stats=False,
+            moe_backend="aiter",
+            kv_cache_dtype="fp8",
+            max_num_seqs=len(prompts),
+            speculative_config=spec,
+        ) as llm:
+            outs[spec is None] = [
+                list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            ]
             m = spec_decode_from_llm(llm.get_metrics())
         if spec is not None:
             assert m is not None and m.num_drafts > 0 and m.num_draft_tokens == k * m.num_drafts
@@ -132,11 +163,19 @@ def test_gfx950_permutation_model_drafts_are_accepted(tmp_path, k):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 40, 130)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, detokenize=False)
-    with vllm_engine(ckpt, in_process=True, env=PROFILE_ENV, dtype="bfloat16", max_model_len=512,
-                     skip_tokenizer_init=True, disable_log_stats=False, moe_backend="aiter", kv_cache_dtype="fp8",
-                     speculative_config={"method": "mtp", "num_speculative_tokens": k}) as llm:
-        outs = [list(o.outputs[0].token_ids) for o in
-                llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    with vllm_engine(
+        ckpt,
+        in_process=True,
+        env=PROFILE_ENV,
+        dtype="bfloat16",
+        max_model_len=512,
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        moe_backend="aiter",
+        kv_cache_dtype="fp8",
+        speculative_config={"method": "mtp", "num_speculative_tokens": k},
+    ) as llm:
+        outs = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
         m = spec_decode_from_llm(llm.get_metrics())
     assert outs == [permutation_chain(perm, p[-1], 24) for p in prompts]
     # the MTP layer agrees with the target by construction: a wrong draft computation shows as rejections

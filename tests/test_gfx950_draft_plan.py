@@ -40,12 +40,21 @@ def _variants() -> dict[str, dict]:
         "mtp-excluded-pattern": amd_quark_config(spec, "original", "pattern"),
         "mtp-excluded-exact": amd_quark_config(spec, "original", "exact"),
         # vLLM's own test fixture for the AMD config: per-layer re: keys for the MTP w1's only
-        "vllm-fixture": mxfp4_experts_config([], layer_quant_config={
-            r"re:mtp\.0\.ffn\.experts\.\d+\.w1": mxfp4_layer_config(),
-            r"re:mtp\.0\.ffn\.shared_experts\.w1": fp8}),
+        "vllm-fixture": mxfp4_experts_config(
+            [],
+            layer_quant_config={
+                r"re:mtp\.0\.ffn\.experts\.\d+\.w1": mxfp4_layer_config(),
+                r"re:mtp\.0\.ffn\.shared_experts\.w1": fp8,
+            },
+        ),
         # per-layer entries under vLLM's own names (as a mapper-aware exporter could write them)
-        "vllm-names": mxfp4_experts_config(["head"], layer_quant_config={
-            f"model.layers.{L}.e_proj": fp8, f"model.layers.{L}.ffn.shared_experts.gate_up_proj": fp8}),
+        "vllm-names": mxfp4_experts_config(
+            ["head"],
+            layer_quant_config={
+                f"model.layers.{L}.e_proj": fp8,
+                f"model.layers.{L}.ffn.shared_experts.gate_up_proj": fp8,
+            },
+        ),
         # nothing but the global scheme
         "global-only": mxfp4_experts_config([]),
     }
@@ -115,8 +124,9 @@ def engine_config(tmp_path_factory):
     from vllm.engine.arg_utils import EngineArgs
 
     d = tmp_path_factory.mktemp("cfg")
-    (d / "config.json").write_text(json.dumps({**tiny_config(), "architectures": ["DeepseekV4ForCausalLM"],
-                                               "model_type": "deepseek_v4"}))
+    (d / "config.json").write_text(
+        json.dumps({**tiny_config(), "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"})
+    )
     return EngineArgs(model=str(d), skip_tokenizer_init=True, max_model_len=256).create_engine_config()
 
 
@@ -166,18 +176,26 @@ def test_vllm_own_draft_is_quantized_where_the_plugin_is_not(layers, engine_conf
     """The control: the same QuarkConfigs give vLLM's in-tree draft quantized methods, so the test above can
     fail (and did, on the plugin's previous draft, whose in-tree attention took the target's config)."""
     v = _variants()
-    got_032 = {rel: _method(engine_config, _quark(v["amd"]), layers[kind], f"model.layers.{L}.{rel}")
-               for rel, kind in QUANT_PREFIXES}
+    got_032 = {
+        rel: _method(engine_config, _quark(v["amd"]), layers[kind], f"model.layers.{L}.{rel}")
+        for rel, kind in QUANT_PREFIXES
+    }
     assert set(got_032.values()) != {"unquantized"}, got_032  # 0.32: the global MXFP4 scheme falls through
     assert got_032["e_proj"] != "unquantized" and got_032["ffn.experts"] != "unquantized"
-    got_033 = {rel: _method(engine_config, _quark(v["amd"], align_033=True), layers[kind], f"model.layers.{L}.{rel}")
-               for rel, kind in QUANT_PREFIXES}
+    got_033 = {
+        rel: _method(engine_config, _quark(v["amd"], align_033=True), layers[kind], f"model.layers.{L}.{rel}")
+        for rel, kind in QUANT_PREFIXES
+    }
     assert got_033["ffn.experts"] != "unquantized", got_033  # 0.33: the stored precision (MXFP4)
 
 
-TARGET_PREFIXES = [("model.layers.1.attn.wq_b", "linear"), ("model.layers.1.attn.fused_wqa_wkv", "linear"),
-                   ("model.layers.2.ffn.shared_experts.gate_up_proj", "linear"), ("model.layers.2.ffn.experts", "moe"),
-                   ("model.layers.0.ffn.shared_experts.down_proj", "linear")]
+TARGET_PREFIXES = [
+    ("model.layers.1.attn.wq_b", "linear"),
+    ("model.layers.1.attn.fused_wqa_wkv", "linear"),
+    ("model.layers.2.ffn.shared_experts.gate_up_proj", "linear"),
+    ("model.layers.2.ffn.experts", "moe"),
+    ("model.layers.0.ffn.shared_experts.down_proj", "linear"),
+]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -195,5 +213,6 @@ def test_target_gets_what_vllm_gives_it_without_the_plugin(layers, engine_config
     plugin_mapped = _quark(raw, target_mapper=served is None)
     vllm_alone = _quark(raw)
     for prefix, kind in TARGET_PREFIXES:
-        assert (_method(engine_config, plugin_mapped, layers[kind], prefix)
-                == _method(engine_config, vllm_alone, layers[kind], prefix)), prefix
+        assert _method(engine_config, plugin_mapped, layers[kind], prefix) == _method(
+            engine_config, vllm_alone, layers[kind], prefix
+        ), prefix

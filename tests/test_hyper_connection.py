@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 from vllm_dsv4_mtp.model import hyper_connection as H
 
 HC, D = 4, 64
-FP32_ROUNDING = 8 * HC * 2.0 ** -24  # a few float32 ulps of a sum of hc terms near 1
+FP32_ROUNDING = 8 * HC * 2.0**-24  # a few float32 ulps of a sum of hc terms near 1
 
 
 def _sites(seed: int, *, hc_eps: float = 1e-6, norm_eps: float = 1e-6, iters: int = 20):
@@ -120,7 +120,7 @@ def test_shapes_dtypes_and_ranges(dtype, t):
     a = H._mixing(x, site.fn, site.norm_eps)
     pre = torch.sigmoid(a[:, :HC] * site.scale[0] + site.base[:HC]) + site.hc_eps
     assert (pre >= site.hc_eps).all()
-    torch.testing.assert_close(u.float(), (pre.unsqueeze(-1) * x.float()).sum(1), atol=1e-5, rtol=2 ** -8)
+    torch.testing.assert_close(u.float(), (pre.unsqueeze(-1) * x.float()).sum(1), atol=1e-5, rtol=2**-8)
 
 
 def _known_params(site: H.HyperConnection, pre_logits, post_logits, comb_logits) -> None:
@@ -128,8 +128,15 @@ def _known_params(site: H.HyperConnection, pre_logits, post_logits, comb_logits)
     with torch.no_grad():
         site.fn.zero_()
         site.scale.fill_(1.0)
-        site.base.copy_(torch.cat([torch.as_tensor(pre_logits, dtype=torch.float32),
-                                   torch.as_tensor(post_logits, dtype=torch.float32), comb_logits.flatten()]))
+        site.base.copy_(
+            torch.cat(
+                [
+                    torch.as_tensor(pre_logits, dtype=torch.float32),
+                    torch.as_tensor(post_logits, dtype=torch.float32),
+                    comb_logits.flatten(),
+                ]
+            )
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -143,13 +150,17 @@ def test_identity_case_gives_the_known_output(dtype):
     torch.testing.assert_close(post, torch.ones(9, HC), atol=1e-7, rtol=0)
     torch.testing.assert_close(comb, torch.eye(HC).expand(9, HC, HC), atol=2 * HC * eps, rtol=0)
     want_u = (0.5 + eps) * x.float().sum(1)
-    torch.testing.assert_close(u.float(), want_u, atol=1e-6, rtol=0 if dtype == torch.float32 else 2 ** -8)
-    torch.testing.assert_close(site.post(f, x, post, comb).float(), f.float().unsqueeze(1) + x.float(),
-                               atol=1e-4, rtol=0 if dtype == torch.float32 else 2 ** -8)
+    torch.testing.assert_close(u.float(), want_u, atol=1e-6, rtol=0 if dtype == torch.float32 else 2**-8)
+    torch.testing.assert_close(
+        site.post(f, x, post, comb).float(),
+        f.float().unsqueeze(1) + x.float(),
+        atol=1e-4,
+        rtol=0 if dtype == torch.float32 else 2**-8,
+    )
     with torch.no_grad():
         head.fn.zero_()
         head.base.zero_()
-    torch.testing.assert_close(head(x).float(), want_u, atol=1e-6, rtol=0 if dtype == torch.float32 else 2 ** -8)
+    torch.testing.assert_close(head(x).float(), want_u, atol=1e-6, rtol=0 if dtype == torch.float32 else 2**-8)
 
 
 def test_selection_and_routing_case():
@@ -174,8 +185,10 @@ def _permute_site(site, head, perm):
     """The same parameters for streams renumbered ``x'[:, k] = x[:, perm[k]]``."""
     hc = len(perm)
     rows = torch.cat([perm, hc + perm, 2 * hc + (perm[:, None] * hc + perm[None, :]).flatten()])
-    p_site, p_head = H.HyperConnection(D, hc, site.sinkhorn_iters, site.hc_eps, site.norm_eps), \
-        H.HyperHead(D, hc, head.hc_eps, head.norm_eps)
+    p_site, p_head = (
+        H.HyperConnection(D, hc, site.sinkhorn_iters, site.hc_eps, site.norm_eps),
+        H.HyperHead(D, hc, head.hc_eps, head.norm_eps),
+    )
     with torch.no_grad():
         p_site.fn.copy_(site.fn.view(-1, hc, D)[rows][:, perm].flatten(1))
         p_site.base.copy_(site.base[rows])
@@ -198,8 +211,9 @@ def test_streams_permutation_equivariance():
     torch.testing.assert_close(pu, u, atol=1e-5, rtol=0)
     torch.testing.assert_close(ppost, post[:, perm], atol=1e-6, rtol=0)
     torch.testing.assert_close(pcomb, comb[:, perm][:, :, perm], atol=1e-6, rtol=0)
-    torch.testing.assert_close(p_site.post(f, x[:, perm], ppost, pcomb), site.post(f, x, post, comb)[:, perm],
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        p_site.post(f, x[:, perm], ppost, pcomb), site.post(f, x, post, comb)[:, perm], atol=1e-5, rtol=0
+    )
     torch.testing.assert_close(p_head(x[:, perm]), head(x), atol=1e-5, rtol=0)
 
 
@@ -210,7 +224,7 @@ def test_hc_post_rounds_once_in_the_activation_dtype():
     _, post, comb = site.pre(x)
     exact = post.double().unsqueeze(-1) * f.double().unsqueeze(1) + comb.double().transpose(1, 2) @ x.double()
     for out in (H.hc_post(f, x, post, comb), site.post(f, x, post, comb)):
-        torch.testing.assert_close(out.double(), exact, atol=1e-6, rtol=2 ** -8)  # half a bf16 ulp
+        torch.testing.assert_close(out.double(), exact, atol=1e-6, rtol=2**-8)  # half a bf16 ulp
 
 
 # --------------------------------------------------------------------------------------------- fused dispatch
@@ -233,7 +247,7 @@ def test_fused_kernels_are_there_exactly_where_vllm_loads_its_avx512_bf16_librar
     its fast kernels; if the kernels were claimed without the library, the call would fail at the first step."""
     libs = _vllm_kernel_libraries()
     assert len(libs) == 1, libs
-    assert H._FUSED_CPU_BUILT == (libs == {"_C.abi3.so"}), libs
+    assert (libs == {"_C.abi3.so"}) == H._FUSED_CPU_BUILT, libs
     if torch.cpu._is_avx512_supported():  # x86 with AVX512: vLLM picks the library by AVX512-BF16
         assert (libs == {"_C.abi3.so"}) == torch.cpu._is_avx512_bf16_supported(), libs
 
@@ -266,8 +280,9 @@ def test_without_the_fused_kernels_half_precision_runs_the_torch_definition(monk
     for got, want in zip((u, post, comb), H.hc_pre(x, site.fn, site.base, site.scale, **kw)):
         assert torch.equal(got, want)
     assert torch.equal(site.post(f, x, post, comb), H.hc_post(f, x, post, comb))
-    assert torch.equal(head(x), H.hc_head(x, head.fn, head.base, head.scale, hc_eps=head.hc_eps,
-                                          norm_eps=head.norm_eps))
+    assert torch.equal(
+        head(x), H.hc_head(x, head.fn, head.base, head.scale, hc_eps=head.hc_eps, norm_eps=head.norm_eps)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -285,7 +300,7 @@ def test_fused_kernels_equal_the_torch_definition_within_float32_rounding(dtype,
     torch.testing.assert_close(comb, rcomb, atol=2e-6, rtol=0)
     # the half-precision outputs: the exact value (float64 from the reference's float32 weights) rounded
     # once, so within half an ulp of it (2^-8 relative for bf16, 2^-11 for fp16), plus float32 slack
-    half_ulp = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -11
+    half_ulp = 2**-8 if dtype == torch.bfloat16 else 2**-11
     x64, f64 = x.double(), f.double()
     pre = torch.sigmoid(H._mixing(x, site.fn, site.norm_eps)[:, :HC] * site.scale[0] + site.base[:HC]) + site.hc_eps
     exact_u = (pre.double().unsqueeze(-1) * x64).sum(1)
@@ -294,9 +309,11 @@ def test_fused_kernels_equal_the_torch_definition_within_float32_rounding(dtype,
     exact_y = (g.double().unsqueeze(-1) * x64).sum(1)
     for got, want in ((u, exact_u), (site.post(f, x, post, comb), exact_post), (head(x), exact_y)):
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=half_ulp)
-    for got, want in ((ru, exact_u), (H.hc_post(f, x, post, comb), exact_post),
-                      (H.hc_head(x, head.fn, head.base, head.scale, hc_eps=head.hc_eps, norm_eps=head.norm_eps),
-                       exact_y)):
+    for got, want in (
+        (ru, exact_u),
+        (H.hc_post(f, x, post, comb), exact_post),
+        (H.hc_head(x, head.fn, head.base, head.scale, hc_eps=head.hc_eps, norm_eps=head.norm_eps), exact_y),
+    ):
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=half_ulp)
     swapped = H.hc_pre(x, site.fn, site.base, site.scale, sinkhorn_iters=iters, hc_eps=1e-2, norm_eps=1e-3)
     assert (swapped[1] - post).abs().max() > 1e-4  # the tolerances above do tell the eps apart
@@ -308,8 +325,9 @@ def _hf_modules(tmp_path, site, head):
 
     from vllm_dsv4_mtp.tools.tiny import hf_config, tiny_config
 
-    (tmp_path / "config.json").write_text(json.dumps(tiny_config(hidden_size=D, hc_eps=site.hc_eps,
-                                                                 rms_norm_eps=site.norm_eps)))
+    (tmp_path / "config.json").write_text(
+        json.dumps(tiny_config(hidden_size=D, hc_eps=site.hc_eps, rms_norm_eps=site.norm_eps))
+    )
     cfg = hf_config(tmp_path)
     hf_site, hf_head = M.DeepseekV4HyperConnection(cfg), M.DeepseekV4HyperHead(cfg)
     assert (cfg.hc_mult, cfg.hc_sinkhorn_iters) == (HC, site.sinkhorn_iters)
@@ -337,6 +355,6 @@ def test_modules_match_hf_transformers(tmp_path, dtype):
     u, post, comb = site.pre(x)
     torch.testing.assert_close(post, hf_post[0], atol=2e-6, rtol=0)
     torch.testing.assert_close(comb, hf_comb[0], atol=2e-6, rtol=0)
-    rtol = 0 if dtype == torch.float32 else 2 ** -8
+    rtol = 0 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(u.float(), hf_u[0], atol=2e-6, rtol=rtol)
     torch.testing.assert_close(head(x).float(), hf_y, atol=2e-6, rtol=rtol)

@@ -70,8 +70,7 @@ def forward(request, forward_checkpoint, tmp_path_factory):
     version = request.param
     out = tmp_path_factory.mktemp(f"forward-{version}")
     cases = [dict(name="base", ckpt=str(forward_checkpoint), tp=1, load=True, forward=True)]
-    cases += [dict(name=m, ckpt=str(forward_checkpoint), tp=1, load=True, forward=True, mutation=m)
-              for m in MUTATIONS]
+    cases += [dict(name=m, ckpt=str(forward_checkpoint), tp=1, load=True, forward=True, mutation=m) for m in MUTATIONS]
     run_worker(version, out, cases)
     results = {}
     for c in cases:
@@ -109,6 +108,9 @@ def test_the_shared_clamp_binds_and_the_routed_experts_stay_below_it(forward, fo
     shared = torch.cat([x @ reader.get(f"mtp.0.ffn.shared_experts.{w}.weight").float().T for w in ("w1", "w3")], -1)
     assert shared.max() > limit  # the gate's upper clamp (and the up projection's) act
     n = reader.config["n_routed_experts"]
-    routed = max(float((x @ reader.get(f"mtp.0.ffn.experts.{e}.{w}.weight").float().T).abs().max())
-                 for e in range(n) for w in ("w1", "w3"))
+    routed = max(
+        float((x @ reader.get(f"mtp.0.ffn.experts.{e}.{w}.weight").float().T).abs().max())
+        for e in range(n)
+        for w in ("w1", "w3")
+    )
     assert routed < limit

@@ -46,8 +46,9 @@ def worker_env(version: str) -> dict[str, str]:
     env = dict(os.environ)
     root = Path(__file__).resolve().parents[1]
     path = [str(root)] if version == "0.32.0" else [str(overlay_root(version)), str(root)]
-    env.update(PYTHONPATH=os.pathsep.join(path), VLLM_TARGET_DEVICE="cpu", VLLM_PLUGINS="",
-               VLLM_CPU_OMP_THREADS_BIND="all")
+    env.update(
+        PYTHONPATH=os.pathsep.join(path), VLLM_TARGET_DEVICE="cpu", VLLM_PLUGINS="", VLLM_CPU_OMP_THREADS_BIND="all"
+    )
     return env
 
 
@@ -70,8 +71,12 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("published")
     out = {layout: build_published(root / layout, layout, seed=3) for layout in LAYOUTS}
-    out.update({f"{layout}-tp8": build_published(root / f"{layout}-tp8", layout, seed=4, config=tiny_config(**TP8_DIMS))
-                for layout in LAYOUTS})
+    out.update(
+        {
+            f"{layout}-tp8": build_published(root / f"{layout}-tp8", layout, seed=4, config=tiny_config(**TP8_DIMS))
+            for layout in LAYOUTS
+        }
+    )
     return out
 
 
@@ -80,23 +85,59 @@ def load_cases(version: str, checkpoints: dict[str, Path]) -> list[dict]:
     for layout in LAYOUTS:
         for tp in (1, 2):
             for fse in (False, True):
-                cases.append(dict(name=f"{layout}-tp{tp}-fse{int(fse)}", ckpt=str(checkpoints[layout]), tp=tp,
-                                  load=True, env=FSE_ON if fse else {}, engine={"tensor_parallel_size": tp}))
+                cases.append(
+                    dict(
+                        name=f"{layout}-tp{tp}-fse{int(fse)}",
+                        ckpt=str(checkpoints[layout]),
+                        tp=tp,
+                        load=True,
+                        env=FSE_ON if fse else {},
+                        engine={"tensor_parallel_size": tp},
+                    )
+                )
         if version != "0.32.0":  # --monokernel exists from 0.33; DeepSeek-V4-Pro at TP 8 on MI355X
-            cases.append(dict(name=f"{layout}-tp8-mono", ckpt=str(checkpoints[f"{layout}-tp8"]), tp=8, load=True,
-                              env=FSE_ON, engine={"tensor_parallel_size": 8, "monokernel": True}))
+            cases.append(
+                dict(
+                    name=f"{layout}-tp8-mono",
+                    ckpt=str(checkpoints[f"{layout}-tp8"]),
+                    tp=8,
+                    load=True,
+                    env=FSE_ON,
+                    engine={"tensor_parallel_size": 8, "monokernel": True},
+                )
+            )
     official = str(checkpoints["official"])
     # vLLM's own class with quant_config None: what the plugin's view avoids
     cases.append(dict(name="control-fse", ckpt=official, tp=1, env=FSE_ON, control=True))
     if version != "0.32.0":
-        cases.append(dict(name="control-mono", ckpt=str(checkpoints["official-tp8"]), tp=8, env=FSE_ON,
-                          control=True, engine={"tensor_parallel_size": 8, "monokernel": True}))
-    for name, engine in (("moe-aiter", {"moe_backend": "aiter"}), ("kv-fp8", {"kv_cache_dtype": "fp8"}),
-                         ("mega-moe", {"moe_backend": "aiter_mega_moe"})):
+        cases.append(
+            dict(
+                name="control-mono",
+                ckpt=str(checkpoints["official-tp8"]),
+                tp=8,
+                env=FSE_ON,
+                control=True,
+                engine={"tensor_parallel_size": 8, "monokernel": True},
+            )
+        )
+    for name, engine in (
+        ("moe-aiter", {"moe_backend": "aiter"}),
+        ("kv-fp8", {"kv_cache_dtype": "fp8"}),
+        ("mega-moe", {"moe_backend": "aiter_mega_moe"}),
+    ):
         cases.append(dict(name=name, ckpt=official, tp=1, env=FSE_ON, engine=engine))
     # mega-MoE for the target, AITER for the draft through vLLM's own draft override (what the refusal advises)
-    cases.append(dict(name="mega-moe-draft-aiter", ckpt=official, tp=1, env=FSE_ON, draft_overrides=True,
-                      engine={"moe_backend": "aiter_mega_moe"}, spec={"moe_backend": "aiter"}))
+    cases.append(
+        dict(
+            name="mega-moe-draft-aiter",
+            ckpt=official,
+            tp=1,
+            env=FSE_ON,
+            draft_overrides=True,
+            engine={"moe_backend": "aiter_mega_moe"},
+            spec={"moe_backend": "aiter"},
+        )
+    )
     return cases
 
 
@@ -119,9 +160,17 @@ def config_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 def shape_cases(config_dirs: dict[str, Path]) -> list[dict]:
-    return [dict(name=f"{name}-tp{tp}-meta", ckpt=str(d), tp=tp, meta=True,
-                 engine={"tensor_parallel_size": tp, "max_model_len": 4096})
-            for name, d in config_dirs.items() for tp in (1, 4, 8)]
+    return [
+        dict(
+            name=f"{name}-tp{tp}-meta",
+            ckpt=str(d),
+            tp=tp,
+            meta=True,
+            engine={"tensor_parallel_size": tp, "max_model_len": 4096},
+        )
+        for name, d in config_dirs.items()
+        for tp in (1, 4, 8)
+    ]
 
 
 def profile_dry_run(version: str, profile: str, tmp: Path) -> tuple[str, dict[str, str], list[str]]:
@@ -137,13 +186,25 @@ def profile_dry_run(version: str, profile: str, tmp: Path) -> tuple[str, dict[st
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
     (info / "top_level.txt").write_text("vllm\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(meta), str(Path(__file__).resolve().parents[1])]))
-    p = procs.run([sys.executable, "-m", "vllm_dsv4_mtp.cli", "serve", "--profile", profile,
-                   "amd/DeepSeek-V4-Pro-MXFP4", "--dry-run"], env=env, timeout=300)
+    p = procs.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_dsv4_mtp.cli",
+            "serve",
+            "--profile",
+            profile,
+            "amd/DeepSeek-V4-Pro-MXFP4",
+            "--dry-run",
+        ],
+        env=env,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     command = "\n".join(ln for ln in p.stdout.splitlines() if not ln.startswith("#")).split("capacity check:")[0]
     tokens = shlex.split(command.replace("\\\n", " "))
-    assignments = [t for t in tokens[:tokens.index("-m")] if "=" in t]
-    argv = tokens[tokens.index("-m") + 2:]
+    assignments = [t for t in tokens[: tokens.index("-m")] if "=" in t]
+    argv = tokens[tokens.index("-m") + 2 :]
     return p.stdout, dict(a.split("=", 1) for a in assignments), argv
 
 
@@ -183,32 +244,51 @@ def expected_rank(native: dict[str, torch.Tensor], spec: DeepseekV4Spec, rank: i
 
     def rows(t):
         k = t.shape[0] // world
-        return t[rank * k:(rank + 1) * k]
+        return t[rank * k : (rank + 1) * k]
 
     def cols(t):
         k = t.shape[1] // world
-        return t[:, rank * k:(rank + 1) * k]
+        return t[:, rank * k : (rank + 1) * k]
 
-    want = {p + "mtp_block.attn.attn_sink": rows(n[m + "attn.attn_sink"]),
-            p + "mtp_block.attn.fused_wqa_wkv.weight": torch.cat([n[m + "attn.wq_a.weight"], n[m + "attn.wkv.weight"]]),
-            p + "mtp_block.attn.wq_b.weight": rows(n[m + "attn.wq_b.weight"]),
-            p + "mtp_block.attn.wo_a.weight": rows(n[m + "attn.wo_a.weight"]),
-            p + "mtp_block.attn.wo_b.weight": cols(n[m + "attn.wo_b.weight"]),
-            p + "mtp_block.ffn.gate.e_score_correction_bias": n[m + "ffn.gate.bias"],
-            p + "mtp_block.ffn.shared_experts.gate_up_proj.weight": torch.cat(
-                [rows(n[m + "ffn.shared_experts.w1.weight"]), rows(n[m + "ffn.shared_experts.w3.weight"])]),
-            p + "mtp_block.ffn.shared_experts.down_proj.weight": cols(n[m + "ffn.shared_experts.w2.weight"]),
-            p + "mtp_block.ffn.experts.routed_experts.w13_weight": torch.stack([
+    want = {
+        p + "mtp_block.attn.attn_sink": rows(n[m + "attn.attn_sink"]),
+        p + "mtp_block.attn.fused_wqa_wkv.weight": torch.cat([n[m + "attn.wq_a.weight"], n[m + "attn.wkv.weight"]]),
+        p + "mtp_block.attn.wq_b.weight": rows(n[m + "attn.wq_b.weight"]),
+        p + "mtp_block.attn.wo_a.weight": rows(n[m + "attn.wo_a.weight"]),
+        p + "mtp_block.attn.wo_b.weight": cols(n[m + "attn.wo_b.weight"]),
+        p + "mtp_block.ffn.gate.e_score_correction_bias": n[m + "ffn.gate.bias"],
+        p + "mtp_block.ffn.shared_experts.gate_up_proj.weight": torch.cat(
+            [rows(n[m + "ffn.shared_experts.w1.weight"]), rows(n[m + "ffn.shared_experts.w3.weight"])]
+        ),
+        p + "mtp_block.ffn.shared_experts.down_proj.weight": cols(n[m + "ffn.shared_experts.w2.weight"]),
+        p + "mtp_block.ffn.experts.routed_experts.w13_weight": torch.stack(
+            [
                 torch.cat([rows(n[f"{m}ffn.experts.{e}.w1.weight"]), rows(n[f"{m}ffn.experts.{e}.w3.weight"])])
-                for e in range(spec.n_routed_experts)]),
-            p + "mtp_block.ffn.experts.routed_experts.w2_weight": torch.stack([
-                cols(n[f"{m}ffn.experts.{e}.w2.weight"]) for e in range(spec.n_routed_experts)]),
-            p + "shared_head.norm.weight": n[m + "norm.weight"]}
-    for name in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "hc_head_fn", "hc_head_base",
-                 "hc_head_scale"):
+                for e in range(spec.n_routed_experts)
+            ]
+        ),
+        p + "mtp_block.ffn.experts.routed_experts.w2_weight": torch.stack(
+            [cols(n[f"{m}ffn.experts.{e}.w2.weight"]) for e in range(spec.n_routed_experts)]
+        ),
+        p + "shared_head.norm.weight": n[m + "norm.weight"],
+    }
+    for name in (
+        "e_proj.weight",
+        "h_proj.weight",
+        "enorm.weight",
+        "hnorm.weight",
+        "hc_head_fn",
+        "hc_head_base",
+        "hc_head_scale",
+    ):
         want[p + name] = n[m + name]
-    for name in ("attn.q_norm.weight", "attn.kv_norm.weight", "ffn.gate.weight", "attn_norm.weight",
-                 "ffn_norm.weight") + tuple(f"hc_{s}_{x}" for s in ("attn", "ffn") for x in ("fn", "base", "scale")):
+    for name in (
+        "attn.q_norm.weight",
+        "attn.kv_norm.weight",
+        "ffn.gate.weight",
+        "attn_norm.weight",
+        "ffn_norm.weight",
+    ) + tuple(f"hc_{s}_{x}" for s in ("attn", "ffn") for x in ("fn", "base", "scale")):
         want[p + "mtp_block." + name] = n[m + name]
     return want
 
@@ -222,8 +302,8 @@ def unpadded(name: str, got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
         return got
     if name.endswith("w13_weight"):
         half, k = got.shape[1] // 2, want.shape[1] // 2
-        return torch.cat([got[:, :k], got[:, half:half + k]], dim=1)
-    return got[:, :, :want.shape[2]]
+        return torch.cat([got[:, :k], got[:, half : half + k]], dim=1)
+    return got[:, :, : want.shape[2]]
 
 
 def _ok(results, name, world):
@@ -303,7 +383,11 @@ def test_every_pro_and_flash_mtp_tensor_has_its_real_parameter_at_tp_1_4_8(real,
             elif len(parts) > 1:  # stacked: the shards' rows one after the other
                 assert shape == (sum(p[0] for p in parts), parts[0][1]), (version, name, tp, param, parts)
         assert set(received) == set(params) - set(shared_with_target(spec)), (
-            version, name, tp, sorted(set(params) ^ set(received)))
+            version,
+            name,
+            tp,
+            sorted(set(params) ^ set(received)),
+        )
         assert sum(math.prod(s) for s, _ in params.values()) > 0
 
 
@@ -316,10 +400,20 @@ def test_every_module_is_unquantized_and_the_shared_expert_never_fused(real):
             assert res["fused_shared_expert"] is False, (version, c["name"])
             methods = res["methods"]
             # the MTP layer's linears (e_proj, h_proj, attention, shared expert, gate) and its routed experts
-            assert sum(k.endswith(("e_proj", "h_proj", "fused_wqa_wkv", "wq_b", "wo_a", "wo_b", "gate_up_proj",
-                                   "down_proj")) for k in methods) == 8, (version, c["name"], methods)
-            assert set(methods.values()) <= {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod",
-                                             "UnquantizedEmbeddingMethod"}, (version, c["name"], methods)
+            assert (
+                sum(
+                    k.endswith(
+                        ("e_proj", "h_proj", "fused_wqa_wkv", "wq_b", "wo_a", "wo_b", "gate_up_proj", "down_proj")
+                    )
+                    for k in methods
+                )
+                == 8
+            ), (version, c["name"], methods)
+            assert set(methods.values()) <= {
+                "UnquantizedLinearMethod",
+                "UnquantizedFusedMoEMethod",
+                "UnquantizedEmbeddingMethod",
+            }, (version, c["name"], methods)
             assert "UnquantizedFusedMoEMethod" in methods.values()
             assert res["kernel"]["target_quant_config"] in ("DeepseekV4FP8Config", "QuarkConfig"), res["kernel"]
 
@@ -344,7 +438,8 @@ def test_aiter_moe_backend_and_fp8_kv_cache_construct_and_mega_moe_is_refused(re
     version, out, cases, results = real
     assert results[("mega-moe", 0)]["error"] == (
         "ValueError: the BF16 MTP draft cannot run on --moe-backend aiter_mega_moe (FP4 experts only); give the "
-        "draft another backend with speculative_config 'moe_backend'")
+        "draft another backend with speculative_config 'moe_backend'"
+    )
     advised = _ok(results, "mega-moe-draft-aiter", 1)[0]  # the advice works: the draft builds on AITER
     assert advised["fused_shared_expert"] is False and advised["kernel"]["draft_mega_moe"] is False
     aiter = _ok(results, "moe-aiter", 1)[0]
@@ -358,13 +453,15 @@ def test_without_the_plugins_view_vllm_fuses_or_refuses(real):
     version, out, cases, results = real
     fse = results[("control-fse", 0)]
     if version == "0.34.0":
-        assert fse["error"] == ("NotImplementedError: DeepSeek-V4 MTP fused shared experts are not supported yet; "
-                                "please open an issue.")
+        assert fse["error"] == (
+            "NotImplementedError: DeepSeek-V4 MTP fused shared experts are not supported yet; please open an issue."
+        )
     else:  # 0.32 / 0.33 fuse it: the shared expert becomes routed expert n_routed_experts
         assert fse["error"] is None and fse["fused_shared_expert"] is True
     if version != "0.32.0":
         assert results[("control-mono", 0)]["error"] == (
-            "ValueError: --monokernel needs the AITER_MXFP4_BF16 MoE backend, not None.")
+            "ValueError: --monokernel needs the AITER_MXFP4_BF16 MoE backend, not None."
+        )
 
 
 @pytest.mark.parametrize("version", ["0.34.0", "0.34.1", "0.34.0rc1", "0.34.1+rocm711", "0.33.0", "0.32.5"])

@@ -83,7 +83,8 @@ def test_clean_mxfp4_checkpoint(capsys, mxfp4):
     rc, out = _cli(capsys, mxfp4)
     assert rc == 0, out
     assert [ln.split()[:3] for ln in out.splitlines() if ln.strip().startswith("routed experts")] == [
-        ["routed", "experts", "mxfp4"]]
+        ["routed", "experts", "mxfp4"]
+    ]
     rc, rep = _json(capsys, mxfp4)
     assert rep["ok"] and rep["problems"] == []
     assert rep["kinds"]["routed_experts"]["precisions"] == {"mxfp4": 96}
@@ -125,33 +126,40 @@ def test_tensors_against_a_different_config(capsys, bf16, tmp_path):
     assert rc == 1
     assert "layers.1.ffn.gate.weight: shape [8, 128], expected [6, 128]" in msgs
     assert "layers.1.ffn.gate.bias: shape [8], expected [6]" in msgs
-    assert ("layers.3.ffn.experts.7.w2.weight: unexpected tensor (BF16 [128, 64]): expert 7 is beyond "
-            "n_routed_experts = 6") in msgs
+    assert (
+        "layers.3.ffn.experts.7.w2.weight: unexpected tensor (BF16 [128, 64]): expert 7 is beyond n_routed_experts = 6"
+    ) in msgs
 
 
 def test_unexpected_tensors(capsys, bf16, tmp_path):
-    p = _rewrite(bf16, tmp_path, put={
-        "layers.0.attn.compressor.wkv.weight": torch.zeros(128, 128, dtype=torch.bfloat16),
-        "layers.4.attn_norm.weight": torch.zeros(128, dtype=torch.bfloat16),
-        "layers.2.attn.indexer.wq_b.weight": torch.zeros(512, 64, dtype=torch.bfloat16),
-        "layers.1.ffn.gate.tid2eid": torch.zeros(512, 2, dtype=torch.int64),
-        "mtp.1.e_proj.weight": torch.zeros(128, 128, dtype=torch.bfloat16),
-        "lm_head.weight": torch.zeros(512, 128, dtype=torch.bfloat16),
-    })
+    p = _rewrite(
+        bf16,
+        tmp_path,
+        put={
+            "layers.0.attn.compressor.wkv.weight": torch.zeros(128, 128, dtype=torch.bfloat16),
+            "layers.4.attn_norm.weight": torch.zeros(128, dtype=torch.bfloat16),
+            "layers.2.attn.indexer.wq_b.weight": torch.zeros(512, 64, dtype=torch.bfloat16),
+            "layers.1.ffn.gate.tid2eid": torch.zeros(512, 2, dtype=torch.int64),
+            "mtp.1.e_proj.weight": torch.zeros(128, 128, dtype=torch.bfloat16),
+            "lm_head.weight": torch.zeros(512, 128, dtype=torch.bfloat16),
+        },
+    )
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1
-    assert sorted(msgs) == sorted([
-        "layers.0.attn.compressor.wkv.weight: unexpected tensor (BF16 [128, 128]): layer 0 is sliding-window "
-        "only (compress ratio 0) and has no compressor",
-        "layers.4.attn_norm.weight: unexpected tensor (BF16 [128]): layer 4 is beyond num_hidden_layers = 4",
-        "layers.2.attn.indexer.wq_b.weight: unexpected tensor (BF16 [512, 64]): layer 2 has compress ratio 128; "
-        "only ratio 4 layers have an indexer",
-        "layers.1.ffn.gate.tid2eid: unexpected tensor (I64 [512, 2]): layer 1 is score-routed (num_hash_layers "
-        "= 1); it has gate.bias, not tid2eid",
-        "mtp.1.e_proj.weight: unexpected tensor (BF16 [128, 128]): MTP layer 1 is beyond "
-        "num_nextn_predict_layers = 1",
-        "lm_head.weight: unexpected tensor (BF16 [512, 128]): not part of the DeepSeek-V4 layout",
-    ])
+    assert sorted(msgs) == sorted(
+        [
+            "layers.0.attn.compressor.wkv.weight: unexpected tensor (BF16 [128, 128]): layer 0 is sliding-window "
+            "only (compress ratio 0) and has no compressor",
+            "layers.4.attn_norm.weight: unexpected tensor (BF16 [128]): layer 4 is beyond num_hidden_layers = 4",
+            "layers.2.attn.indexer.wq_b.weight: unexpected tensor (BF16 [512, 64]): layer 2 has compress ratio 128; "
+            "only ratio 4 layers have an indexer",
+            "layers.1.ffn.gate.tid2eid: unexpected tensor (I64 [512, 2]): layer 1 is score-routed (num_hash_layers "
+            "= 1); it has gate.bias, not tid2eid",
+            "mtp.1.e_proj.weight: unexpected tensor (BF16 [128, 128]): MTP layer 1 is beyond "
+            "num_nextn_predict_layers = 1",
+            "lm_head.weight: unexpected tensor (BF16 [512, 128]): not part of the DeepSeek-V4 layout",
+        ]
+    )
 
 
 # --------------------------------------------------------------------------------------------- scales
@@ -159,27 +167,31 @@ def test_mxfp4_scale_missing(capsys, mxfp4, tmp_path):
     p = _rewrite(mxfp4, tmp_path, drop=lambda n: n == "layers.1.ffn.experts.0.w1.weight_scale")
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1
-    assert msgs == ["layers.1.ffn.experts.0.w1.weight_scale: missing: layers.1.ffn.experts.0.w1.weight is stored "
-                    "mxfp4 and needs its scale (neither layers.1.ffn.experts.0.w1.weight_scale nor "
-                    "layers.1.ffn.experts.0.w1.scale is stored)"]
+    assert msgs == [
+        "layers.1.ffn.experts.0.w1.weight_scale: missing: layers.1.ffn.experts.0.w1.weight is stored "
+        "mxfp4 and needs its scale (neither layers.1.ffn.experts.0.w1.weight_scale nor "
+        "layers.1.ffn.experts.0.w1.scale is stored)"
+    ]
 
 
 def test_mxfp4_scale_misshaped(capsys, mxfp4, tmp_path):
-    p = _rewrite(mxfp4, tmp_path, put={"layers.3.ffn.experts.5.w2.weight_scale": torch.ones(128, 1,
-                                                                                            dtype=torch.uint8)})
+    p = _rewrite(mxfp4, tmp_path, put={"layers.3.ffn.experts.5.w2.weight_scale": torch.ones(128, 1, dtype=torch.uint8)})
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1
-    assert msgs == ["layers.3.ffn.experts.5.w2.weight_scale: shape [128, 1], expected [128, 2] (mxfp4 scale of "
-                    "layers.3.ffn.experts.5.w2.weight [128, 64])"]
+    assert msgs == [
+        "layers.3.ffn.experts.5.w2.weight_scale: shape [128, 1], expected [128, 2] (mxfp4 scale of "
+        "layers.3.ffn.experts.5.w2.weight [128, 64])"
+    ]
 
 
 def test_mxfp4_packed_weight_misshaped(capsys, mxfp4, tmp_path):
-    p = _rewrite(mxfp4, tmp_path, put={"layers.1.ffn.experts.2.w3.weight": torch.zeros(64, 128,
-                                                                                        dtype=torch.uint8)})
+    p = _rewrite(mxfp4, tmp_path, put={"layers.1.ffn.experts.2.w3.weight": torch.zeros(64, 128, dtype=torch.uint8)})
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1
-    assert msgs == ["layers.1.ffn.experts.2.w3.weight: shape [64, 128], expected [64, 64] (packed [out, in/2] of "
-                    "[64, 128]) for mxfp4"]
+    assert msgs == [
+        "layers.1.ffn.experts.2.w3.weight: shape [64, 128], expected [64, 64] (packed [out, in/2] of "
+        "[64, 128]) for mxfp4"
+    ]
 
 
 def test_fp8_scale_missing_misshaped_and_no_quant_config(capsys, bf16, tmp_path):
@@ -195,8 +207,10 @@ def test_fp8_scale_missing_misshaped_and_no_quant_config(capsys, bf16, tmp_path)
     bad_scale = torch.full((1, 2), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     p = _rewrite(bf16, tmp_path / "b", put={"layers.1.attn.wq_a.weight": w8, "layers.1.attn.wq_a.scale": bad_scale})
     rc, msgs, _ = _problems(capsys, p)
-    assert msgs[0] == ("layers.1.attn.wq_a.scale: shape [1, 2], expected [1, 1] (fp8-block scale of "
-                       "layers.1.attn.wq_a.weight [64, 128])")
+    assert msgs[0] == (
+        "layers.1.attn.wq_a.scale: shape [1, 2], expected [1, 1] (fp8-block scale of "
+        "layers.1.attn.wq_a.weight [64, 128])"
+    )
 
 
 def test_unsupported_precision_for_kind(capsys, bf16, tmp_path):
@@ -211,8 +225,9 @@ def test_mtp_absent(capsys, bf16, tmp_path):
     p = _rewrite(bf16, tmp_path, drop=lambda n: n.startswith("mtp."))
     rc, msgs, rep = _problems(capsys, p)
     assert rc == 1
-    assert msgs == ["mtp.0: MTP layer absent: config.json declares num_nextn_predict_layers = 1 but no mtp.0.* "
-                    "tensor is stored"]
+    assert msgs == [
+        "mtp.0: MTP layer absent: config.json declares num_nextn_predict_layers = 1 but no mtp.0.* tensor is stored"
+    ]
     assert rep["mtp"]["precision"] == "absent"
     rc, out = _cli(capsys, p)
     assert "MTP: absent" in out
@@ -222,8 +237,10 @@ def test_mtp_partly_missing(capsys, bf16, tmp_path):
     p = _rewrite(bf16, tmp_path, drop=lambda n: n in ("mtp.0.e_proj.weight", "mtp.0.hc_head_base"))
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1
-    assert msgs == ["mtp.0.e_proj.weight: missing (expected BF16 [128, 128], or a quantized form)",
-                    "mtp.0.hc_head_base: missing (expected F32 [4])"]
+    assert msgs == [
+        "mtp.0.e_proj.weight: missing (expected BF16 [128, 128], or a quantized form)",
+        "mtp.0.hc_head_base: missing (expected F32 [4])",
+    ]
 
 
 def test_no_mtp_declared_is_a_warning(capsys, tmp_path):
@@ -232,15 +249,19 @@ def test_no_mtp_declared_is_a_warning(capsys, tmp_path):
     p = build_tiny_checkpoint(tmp_path, tiny_config(num_nextn_predict_layers=0))
     rc, msgs, rep = _problems(capsys, p)
     assert rc == 0
-    assert msgs == [f"{p / 'config.json'}: num_nextn_predict_layers = 0: the checkpoint declares no MTP layer, so "
-                    f"MTP speculative decoding is unavailable"]
+    assert msgs == [
+        f"{p / 'config.json'}: num_nextn_predict_layers = 0: the checkpoint declares no MTP layer, so "
+        f"MTP speculative decoding is unavailable"
+    ]
     assert rep["problems"][0]["severity"] == "warning"
     # asked about MTP ("I will serve this with an MTP speculative config"): an error
     rc, msgs, rep = _problems(capsys, p, "--mtp")
     assert rc == 1 and rep["for_mtp"]
-    assert msgs == [f"{p / 'config.json'}: num_nextn_predict_layers = 0: the checkpoint has no MTP layer, so it "
-                    f"cannot be served with speculative_config method 'mtp' (vLLM 0.32 would stop with "
-                    f"'ZeroDivisionError: integer modulo by zero'); serve it without a speculative config"]
+    assert msgs == [
+        f"{p / 'config.json'}: num_nextn_predict_layers = 0: the checkpoint has no MTP layer, so it "
+        f"cannot be served with speculative_config method 'mtp' (vLLM 0.32 would stop with "
+        f"'ZeroDivisionError: integer modulo by zero'); serve it without a speculative config"
+    ]
     assert rep["problems"][0]["severity"] == "error"
 
 
@@ -254,8 +275,9 @@ def test_mtp_stripped_is_an_error_with_or_without_the_flag(capsys, bf16, tmp_pat
     p = _rewrite(bf16, tmp_path, drop=lambda n: n.startswith("mtp."))
     for flags in ((), ("--mtp",)):
         rc, msgs, _ = _problems(capsys, p, *flags)
-        assert rc == 1 and msgs == ["mtp.0: MTP layer absent: config.json declares num_nextn_predict_layers = 1 "
-                                    "but no mtp.0.* tensor is stored"]
+        assert rc == 1 and msgs == [
+            "mtp.0: MTP layer absent: config.json declares num_nextn_predict_layers = 1 but no mtp.0.* tensor is stored"
+        ]
 
 
 def test_mtp_quantized(capsys, mxfp4, tmp_path, monkeypatch):
@@ -276,17 +298,21 @@ def test_mtp_quantized(capsys, mxfp4, tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_DSV4_MTP_QUANTIZED_MTP", raising=False)
     rc, msgs, rep = _problems(capsys, p)
     assert rc == 0 and rep["warnings"] == 1 and rep["errors"] == 0
-    assert msgs == ["24 MTP tensor(s) stored quantized (mxfp4); the plugin's BF16 MTP draft decodes them exactly to "
-                    "BF16 at load (VLLM_DSV4_MTP_QUANTIZED_MTP=refuse would refuse them)"]
+    assert msgs == [
+        "24 MTP tensor(s) stored quantized (mxfp4); the plugin's BF16 MTP draft decodes them exactly to "
+        "BF16 at load (VLLM_DSV4_MTP_QUANTIZED_MTP=refuse would refuse them)"
+    ]
     assert rep["mtp"]["precision"] == "mixed: bf16, mxfp4"
     for how in (("--refuse-quantized-mtp",), ()):
         if not how:
             monkeypatch.setenv("VLLM_DSV4_MTP_QUANTIZED_MTP", "refuse")
         rc, msgs, rep = _problems(capsys, p, *how)
         assert rc == 1 and len(msgs) == 24
-        assert msgs[0] == ("mtp.0.ffn.experts.0.w1.weight: MTP tensor stored mxfp4, refused by "
-                           "VLLM_DSV4_MTP_QUANTIZED_MTP=refuse (the draft runs in BF16; unset it to decode the MTP "
-                           "layer at load)")
+        assert msgs[0] == (
+            "mtp.0.ffn.experts.0.w1.weight: MTP tensor stored mxfp4, refused by "
+            "VLLM_DSV4_MTP_QUANTIZED_MTP=refuse (the draft runs in BF16; unset it to decode the MTP "
+            "layer at load)"
+        )
 
 
 # --------------------------------------------------------------------------------------------- quantization_config
@@ -300,8 +326,9 @@ def test_quark_excludes_a_stored_mxfp4_tensor(capsys, mxfp4, tmp_path):
     p = _with_quark(mxfp4, tmp_path, lambda q, c: q["exclude"].append("layers.1.ffn.experts.0.w1"))
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1
-    assert msgs == ["layers.1.ffn.experts.0.w1.weight: stored mxfp4 but quantization_config excludes "
-                    "'layers.1.ffn.experts.0.w1'"]
+    assert msgs == [
+        "layers.1.ffn.experts.0.w1.weight: stored mxfp4 but quantization_config excludes 'layers.1.ffn.experts.0.w1'"
+    ]
 
 
 def test_quark_would_quantize_a_bf16_mtp_linear(capsys, mxfp4, tmp_path):
@@ -309,8 +336,10 @@ def test_quark_would_quantize_a_bf16_mtp_linear(capsys, mxfp4, tmp_path):
     p = _with_quark(mxfp4, tmp_path, lambda q, c: q["exclude"].remove("mtp.0.e_proj"))
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1
-    assert msgs == ["mtp.0.e_proj.weight: stored bf16 but quantization_config quantizes 'mtp.0.e_proj' as mxfp4 "
-                    "(it is not in exclude)"]
+    assert msgs == [
+        "mtp.0.e_proj.weight: stored bf16 but quantization_config quantizes 'mtp.0.e_proj' as mxfp4 "
+        "(it is not in exclude)"
+    ]
 
 
 def test_mxfp4_without_quantization_config(capsys, mxfp4, tmp_path):
@@ -323,13 +352,21 @@ def test_mxfp4_without_quantization_config(capsys, mxfp4, tmp_path):
 
 def test_mxfp4_under_the_official_fp8_config(capsys, mxfp4, tmp_path):
     def edit(q, c):
-        c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                    "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+        c["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": [128, 128],
+            "activation_scheme": "dynamic",
+        }
+
     p = _with_quark(mxfp4, tmp_path, edit)
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1
-    assert ("layers.0.ffn.experts.0.w1.weight: stored mxfp4 (Quark layout) but quantization_config.quant_method "
-            "is 'fp8', not 'quark'") in msgs
+    assert (
+        "layers.0.ffn.experts.0.w1.weight: stored mxfp4 (Quark layout) but quantization_config.quant_method "
+        "is 'fp8', not 'quark'"
+    ) in msgs
 
 
 def test_quark_config_does_not_cover_stored_mxfp4(capsys, mxfp4, tmp_path):
@@ -337,27 +374,36 @@ def test_quark_config_does_not_cover_stored_mxfp4(capsys, mxfp4, tmp_path):
     p = _with_quark(mxfp4, tmp_path, lambda q, c: q.update(global_quant_config=None))
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1 and len(msgs) == 96
-    assert msgs[0] == ("layers.0.ffn.experts.0.w1.weight: stored mxfp4 but no quantization_config spec covers "
-                       "'layers.0.ffn.experts.0.w1'")
+    assert msgs[0] == (
+        "layers.0.ffn.experts.0.w1.weight: stored mxfp4 but no quantization_config spec covers "
+        "'layers.0.ffn.experts.0.w1'"
+    )
 
 
 def test_quark_layer_entry_says_another_precision(capsys, mxfp4, tmp_path):
     from vllm_dsv4_mtp.formats.quark_config import fp8_block_layer_config
 
-    p = _with_quark(mxfp4, tmp_path, lambda q, c: q["layer_quant_config"].update(
-        {r"re:layers\.2\.ffn\.experts\.\d+\.w2": fp8_block_layer_config()}))
+    p = _with_quark(
+        mxfp4,
+        tmp_path,
+        lambda q, c: q["layer_quant_config"].update({r"re:layers\.2\.ffn\.experts\.\d+\.w2": fp8_block_layer_config()}),
+    )
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1 and len(msgs) == 8
-    assert msgs[0] == ("layers.2.ffn.experts.0.w2.weight: stored mxfp4 but quantization_config says fp8-block for "
-                       "'layers.2.ffn.experts.0.w2'")
+    assert msgs[0] == (
+        "layers.2.ffn.experts.0.w2.weight: stored mxfp4 but quantization_config says fp8-block for "
+        "'layers.2.ffn.experts.0.w2'"
+    )
 
 
 def test_invalid_quark_config(capsys, mxfp4, tmp_path):
     p = _with_quark(mxfp4, tmp_path, lambda q, c: q.pop("export"))
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1
-    assert msgs == [f"{tmp_path / 'config.json'}: quantization_config.export: missing (vLLM's QuarkConfig requires "
-                    f"the export block)"]
+    assert msgs == [
+        f"{tmp_path / 'config.json'}: quantization_config.export: missing (vLLM's QuarkConfig requires "
+        f"the export block)"
+    ]
 
 
 # --------------------------------------------------------------------------------------------- unreadable input
@@ -367,9 +413,11 @@ def test_malformed_config(capsys, bf16, tmp_path):
     p = _rewrite(bf16, tmp_path, config=cfg)
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1
-    assert msgs == [f"{tmp_path / 'config.json'}: field 'compress_ratios' has 4 entries, expected "
-                    f"num_hidden_layers + num_nextn_predict_layers = 4 + 1 = 5 (one per main layer, then one per "
-                    f"MTP layer)"]
+    assert msgs == [
+        f"{tmp_path / 'config.json'}: field 'compress_ratios' has 4 entries, expected "
+        f"num_hidden_layers + num_nextn_predict_layers = 4 + 1 = 5 (one per main layer, then one per "
+        f"MTP layer)"
+    ]
 
 
 def test_negative_dimension_and_missing_config(capsys, bf16, tmp_path):
@@ -434,8 +482,10 @@ def test_scan_values_reports_nan_and_inf(capsys, bf16, tmp_path):
     assert "values: not read (headers only; --scan-values reads every tensor for NaN / Inf)" in out
     rc, msgs, rep = _problems(capsys, p, "--scan-values")
     assert rc == 1 and rep["values_scanned"] is True
-    assert msgs == ["layers.1.ffn.experts.2.w3.weight: non-finite values (2 NaN of 8192 values) in model.safetensors",
-                    "mtp.0.e_proj.weight: non-finite values (1 -Inf of 16384 values) in model.safetensors"]
+    assert msgs == [
+        "layers.1.ffn.experts.2.w3.weight: non-finite values (2 NaN of 8192 values) in model.safetensors",
+        "mtp.0.e_proj.weight: non-finite values (1 -Inf of 16384 values) in model.safetensors",
+    ]
     rc, out = _cli(capsys, p, "--scan-values")
     assert "values: scanned for NaN / Inf" in out
 
@@ -444,8 +494,9 @@ def test_scan_values_reads_e8m0_nan_scales(capsys, mxfp4, tmp_path):
     """A Quark MXFP4 scale byte 255 (E8M0 NaN, stored U8) is found; the packed E2M1 codes have no NaN to find."""
     p = _poison(mxfp4, tmp_path, "layers.0.ffn.experts.3.w1.weight_scale", [5], 255)
     rc, msgs, _ = _problems(capsys, p, "--scan-values")
-    assert rc == 1 and msgs == ["layers.0.ffn.experts.3.w1.weight_scale: non-finite values (1 NaN of 256 values) in "
-                                "model.safetensors"]
+    assert rc == 1 and msgs == [
+        "layers.0.ffn.experts.3.w1.weight_scale: non-finite values (1 NaN of 256 values) in model.safetensors"
+    ]
     rc, msgs, _ = _problems(capsys, mxfp4, "--scan-values")
     assert rc == 0 and msgs == []
 
@@ -468,8 +519,10 @@ def test_index_entry_pointing_at_a_missing_file(capsys, bf16, tmp_path):
     (p / "model.safetensors.index.json").write_text(json.dumps(index))
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1
-    assert msgs == [f"{p / 'model.safetensors.index.json'}: shard 'model-00009-of-00009.safetensors' (listed for 1 "
-                    f"tensors, e.g. 'layers.3.ffn.experts.7.w2.weight') does not exist"]
+    assert msgs == [
+        f"{p / 'model.safetensors.index.json'}: shard 'model-00009-of-00009.safetensors' (listed for 1 "
+        f"tensors, e.g. 'layers.3.ffn.experts.7.w2.weight') does not exist"
+    ]
 
 
 def test_every_truncated_shard_is_named(capsys, bf16, tmp_path):
@@ -480,7 +533,9 @@ def test_every_truncated_shard_is_named(capsys, bf16, tmp_path):
     rc, msgs, _ = _problems(capsys, p)
     assert rc == 1 and len(msgs) == 2
     for m, name in zip(msgs, ("model-00002-of-00005.safetensors", "model-00004-of-00005.safetensors")):
-        got = re.fullmatch(rf"{re.escape(str(p / name))}: truncated safetensors file: its header describes (\d+) "
-                           rf"data bytes \(through tensor '[\w.]+'\) but the file holds only (\d+)", m)
+        got = re.fullmatch(
+            rf"{re.escape(str(p / name))}: truncated safetensors file: its header describes (\d+) "
+            rf"data bytes \(through tensor '[\w.]+'\) but the file holds only (\d+)",
+            m,
+        )
         assert got and int(got.group(1)) - int(got.group(2)) == 100, m
-

@@ -31,7 +31,8 @@ def test_missing_or_broken_tokenizer_is_named(capsys, bf16, tmp_path):
     assert rc == 1 and msgs == [
         f"{p}: no tokenizer: expected tokenizer.json (or a sentencepiece tokenizer.model) and tokenizer_config.json "
         f"in the checkpoint folder, it has none of them; copy the tokenizer files of the checkpoint this one was "
-        f"made from, or serve with --tokenizer DIR"]
+        f"made from, or serve with --tokenizer DIR"
+    ]
     q = _rewrite(bf16, tmp_path / "d")
     (q / "tokenizer.json").write_text('{"version": "1.0", "model": ')
     rc, msgs, _ = _problems(capsys, q)
@@ -59,7 +60,8 @@ def test_mtp_stored_mxfp4_under_an_exclude_is_one_warning(capsys, mxfp4, tmp_pat
         "24 MTP tensor(s) stored mxfp4 although quantization_config excludes them (e.g. "
         "'mtp.0.ffn.experts.0.w1.weight'): the plugin's BF16 MTP draft takes the format from the stored tensors, "
         "not from quantization_config, and decodes them exactly to BF16, so the engine serves it; vLLM's own "
-        "quantized MTP (a stored-precision draft) would read them as unquantized")
+        "quantized MTP (a stored-precision draft) would read them as unquantized"
+    )
     assert msgs[0].startswith("24 MTP tensor(s) stored quantized (mxfp4); the plugin's BF16 MTP draft decodes")
     rc, msgs, _ = _problems(capsys, p, "--refuse-quantized-mtp")
     assert rc == 1 and len(msgs) == 48  # refused: one per tensor for the policy, one per tensor for the config

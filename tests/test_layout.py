@@ -22,12 +22,17 @@ def test_layout_table_matches_the_tree():
     missing = [p for p in paths if not (ROOT / p).exists()]
     assert not missing, f"the layout table (docs/architecture.md) names paths that do not exist: {missing}"
     covered = {p.rstrip("/") for p in paths}
-    in_package = [p.relative_to(ROOT).as_posix() for p in PKG.iterdir()
-                  if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")]
-    top = [p.name for p in ROOT.iterdir()
-           if p.is_dir() and not p.name.startswith(".") and not p.name.endswith(".egg-info") and p.name != PKG.name]
-    uncovered = [p for p in in_package + top
-                 if p not in covered and not any(c.startswith(p + "/") for c in covered)]
+    in_package = [
+        p.relative_to(ROOT).as_posix()
+        for p in PKG.iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")
+    ]
+    top = [
+        p.name
+        for p in ROOT.iterdir()
+        if p.is_dir() and not p.name.startswith(".") and not p.name.endswith(".egg-info") and p.name != PKG.name
+    ]
+    uncovered = [p for p in in_package + top if p not in covered and not any(c.startswith(p + "/") for c in covered)]
     assert not uncovered, f"in the tree but not in the layout table (docs/architecture.md): {sorted(uncovered)}"
 
 
@@ -77,7 +82,7 @@ def test_no_import_cycles_between_the_plugins_modules():
         stack.append(m)
         for d in sorted(graph.get(m, ())):
             if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d])
+                cycles.append(stack[stack.index(d) :] + [d])
             elif d not in state:
                 visit(d)
         stack.pop()
@@ -93,8 +98,11 @@ def test_model_code_imports_only_downward():
     """``model/`` is model code: it may use config, formats, weights and the platform choice, never the
     commands, benchmarks, test oracles or the embedded model built on top of it."""
     upward = ("serve", "evaluate", "embedded", "tools", "benchmarks", "testing", "quant", "cli", "gfx950")
-    bad = {m: sorted(d for d in deps if d.split(".")[1] in upward)
-           for m, deps in _imports().items() if m.startswith("vllm_dsv4_mtp.model")}
+    bad = {
+        m: sorted(d for d in deps if d.split(".")[1] in upward)
+        for m, deps in _imports().items()
+        if m.startswith("vllm_dsv4_mtp.model")
+    }
     assert not {m: d for m, d in bad.items() if d}, bad
 
 
@@ -107,8 +115,12 @@ def test_no_source_file_over_500_lines():
 def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """Lines of a function's body, its docstring left out."""
     body = fn.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-            and isinstance(body[0].value.value, str):
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(getattr(body[0], "value", None), ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         body = body[1:]
     return 0 if not body else body[-1].end_lineno - body[0].lineno + 1
 

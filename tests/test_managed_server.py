@@ -16,8 +16,14 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from vllm_dsv4_mtp.evaluate.server import (ManagedServer, ServerExitedError, ServerNotReadyError, ServerSpec,
-                                           ServerStartError, bound_port)
+from vllm_dsv4_mtp.evaluate.server import (
+    ManagedServer,
+    ServerExitedError,
+    ServerNotReadyError,
+    ServerSpec,
+    ServerStartError,
+    bound_port,
+)
 
 # Binds --port after a delay (as vLLM does after parsing its arguments), starts a child that listens on a
 # loopback port of its own (as vLLM's workers do for gloo / ZMQ), and answers /health with its own port.
@@ -79,7 +85,7 @@ def test_managed_server_reads_the_port_its_server_bound(tmp_path, decoy):
     srv = ManagedServer(spec, log_path=tmp_path / "server.log", quiet=True, start_timeout_s=60)
     assert srv.port is None
     with pytest.raises(RuntimeError, match="known once start"):
-        srv.base_url
+        _ = srv.base_url
     with srv:
         assert spec.argv[spec.argv.index("--port") + 1] == "0"
         bound = int((tmp_path / "server.log").read_text().split()[1])
@@ -106,8 +112,9 @@ def test_managed_server_keeps_an_explicit_port(tmp_path):
 
 
 def test_bound_port_ignores_children_and_refuses_ambiguity(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", FAKE_SERVER, "--port", "0", "--extra-listeners", "1"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FAKE_SERVER, "--port", "0", "--extra-listeners", "1"], stdout=subprocess.PIPE, text=True
+    )
     try:
         # the HTTP socket and one more, both the process's own: which one serves HTTP cannot be told
         with pytest.raises(ServerStartError, match=rf"^process {proc.pid} listens on 2 loopback ports "):
@@ -125,7 +132,9 @@ def test_bound_port_fails_fast_on_exit_and_after_its_timeout():
     assert e.value.status == 4 and time.monotonic() - t0 < 60
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        with pytest.raises(ServerNotReadyError, match=rf"^process {proc.pid} was not listening on 127.0.0.1 after 1 s$"):
+        with pytest.raises(
+            ServerNotReadyError, match=rf"^process {proc.pid} was not listening on 127.0.0.1 after 1 s$"
+        ):
             bound_port(proc, 1)
     finally:
         proc.kill()
@@ -138,16 +147,22 @@ def test_managed_server_reports_a_server_that_never_listens(tmp_path):
             return [sys.executable, "-c", "print('loading'); import time; time.sleep(60)"]
 
     srv = ManagedServer(Silent(), log_path=tmp_path / "server.log", quiet=True, start_timeout_s=2)
-    with pytest.raises(ServerStartError, match=r"^the MTP off server for fake was not healthy after 2 s; log .*\nloading"):
+    with pytest.raises(
+        ServerStartError, match=r"^the MTP off server for fake was not healthy after 2 s; log .*\nloading"
+    ):
         srv.start()
     assert srv.proc is None
 
 
 def test_managed_server_refuses_a_server_listening_on_two_ports(tmp_path):
-    srv = ManagedServer(FakeSpec("--extra-listeners", "1"), log_path=tmp_path / "server.log", quiet=True,
-                        start_timeout_s=60)
-    with pytest.raises(ServerStartError, match=r"^the MTP off server for fake: process \d+ listens on 2 loopback "
-                                               rf"ports \[\d+, \d+\], expected one \(its HTTP server's\); log "
-                                               rf"{tmp_path / 'server.log'}:\nbound \d+"):
+    srv = ManagedServer(
+        FakeSpec("--extra-listeners", "1"), log_path=tmp_path / "server.log", quiet=True, start_timeout_s=60
+    )
+    with pytest.raises(
+        ServerStartError,
+        match=r"^the MTP off server for fake: process \d+ listens on 2 loopback "
+        rf"ports \[\d+, \d+\], expected one \(its HTTP server's\); log "
+        rf"{tmp_path / 'server.log'}:\nbound \d+",
+    ):
         srv.start()
     assert srv.proc is None

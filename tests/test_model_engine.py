@@ -61,8 +61,9 @@ def test_generate_mixed_length_batch(llm):
     from vllm import SamplingParams
 
     prompts = random_prompts(PROMPT_LENS, seed=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=16, temperature=0.0, detokenize=False))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, temperature=0.0, detokenize=False)
+    )
     gens = [list(o.outputs[0].token_ids) for o in outs]
     assert [len(g) for g in gens] == [16] * 4
     assert all(0 <= t < 512 for g in gens for t in g)
@@ -86,8 +87,9 @@ def test_decode_equals_full_recompute(llm, hf):
     from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement
 
     prompts = random_prompts((7, 126, 250, 381), seed=2)  # decode crosses t = 127 / 255 / 383 boundaries
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=24, temperature=0.0, detokenize=False))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0.0, detokenize=False)
+    )
     r = greedy_agreement(outs, prompts, hf)
     assert r["steps"] == 4 * 24
     assert r["mismatches"] == 0, r

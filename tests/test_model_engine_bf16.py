@@ -32,8 +32,9 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(ckpt, start_engine):
-    return start_engine(ckpt, apply_model=True, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
-                        max_num_seqs=8, seed=0)
+    return start_engine(
+        ckpt, apply_model=True, dtype="bfloat16", enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0
+    )
 
 
 def test_bf16_model_and_text_generation(llm):

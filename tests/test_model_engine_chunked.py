@@ -32,8 +32,14 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(ckpt, start_engine):
-    return start_engine(ckpt, env={"VLLM_MLA_DISABLE": "1"}, **PARITY_ENGINE, enable_chunked_prefill=True,
-                        max_num_batched_tokens=64, enable_prefix_caching=True)
+    return start_engine(
+        ckpt,
+        env={"VLLM_MLA_DISABLE": "1"},
+        **PARITY_ENGINE,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=True,
+    )
 
 
 @pytest.fixture(scope="module")

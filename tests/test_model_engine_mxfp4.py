@@ -46,8 +46,10 @@ def outputs(llm):
     from vllm import SamplingParams
 
     prompts = random_prompts(PROMPT_LENS, seed=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=1, detokenize=False))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=1, detokenize=False),
+    )
     return prompts, outs
 
 

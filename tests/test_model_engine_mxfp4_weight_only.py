@@ -60,7 +60,8 @@ def test_weight_only_mxfp4_decode_equals_recompute(llm, hf):
     from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement
 
     prompts = random_prompts((9, 140, 260), seed=3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=20, temperature=0.0, detokenize=False))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=20, temperature=0.0, detokenize=False)
+    )
     r = greedy_agreement(outs, prompts, hf)
     assert r["steps"] == 60 and r["mismatches"] == 0 and r["ties"] <= 1, r

@@ -67,8 +67,15 @@ def test_hyper_connection_and_head_match_hf(tmp_path):
     x = torch.randn(9, cfg["hc_mult"], cfg["hidden_size"], generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         post, comb, collapsed = hc(x[None])
-        u, post2, comb2 = hc_pre(x, hc.fn, hc.base, hc.scale, sinkhorn_iters=hcfg.hc_sinkhorn_iters,
-                                 hc_eps=hcfg.hc_eps, norm_eps=hcfg.rms_norm_eps)
+        u, post2, comb2 = hc_pre(
+            x,
+            hc.fn,
+            hc.base,
+            hc.scale,
+            sinkhorn_iters=hcfg.hc_sinkhorn_iters,
+            hc_eps=hcfg.hc_eps,
+            norm_eps=hcfg.rms_norm_eps,
+        )
         torch.testing.assert_close(u, collapsed[0], atol=HC_ATOL, rtol=0)
         torch.testing.assert_close(post2, post[0], atol=HC_ATOL, rtol=0)
         torch.testing.assert_close(comb2, comb[0], atol=HC_ATOL, rtol=0)
@@ -79,7 +86,10 @@ def test_hyper_connection_and_head_match_hf(tmp_path):
         torch.testing.assert_close(hc_post(f, x, post2, comb2), ref_post, atol=1e-5, rtol=0)
         torch.testing.assert_close(
             hc_head(x, head.hc_fn, head.hc_base, head.hc_scale, hc_eps=hcfg.hc_eps, norm_eps=hcfg.rms_norm_eps),
-            head(x[None])[0], atol=HC_ATOL, rtol=0)
+            head(x[None])[0],
+            atol=HC_ATOL,
+            rtol=0,
+        )
 
 
 @pytest.mark.parametrize("layer_type", ["main", "compress"])
@@ -87,8 +97,9 @@ def test_rope_matches_hf(tmp_path, layer_type):
     from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
     cfg, hcfg, _ = _configs(tmp_path)
-    theta, yarn = (cfg["rope_theta"], None) if layer_type == "main" else (cfg["compress_rope_theta"],
-                                                                          cfg["rope_scaling"])
+    theta, yarn = (
+        (cfg["rope_theta"], None) if layer_type == "main" else (cfg["compress_rope_theta"], cfg["rope_scaling"])
+    )
     ours = DeepseekV4Rope(cfg["qk_rope_head_dim"], theta, yarn)
     hf = M.DeepseekV4RotaryEmbedding(hcfg)
     assert torch.equal(ours.inv_freq, getattr(hf, f"{layer_type}_inv_freq"))
@@ -106,9 +117,14 @@ def _copy_attention(ref, mine, ratio):
     sd = {n: p.detach() for n, p in ref.named_parameters()}
     P = dict(mine.named_parameters())
     P["fused_wqa_wkv.weight"].data.copy_(torch.cat([sd["q_a_proj.weight"], sd["kv_proj.weight"]]))
-    for a, b in [("q_norm.weight", "q_a_norm.weight"), ("kv_norm.weight", "kv_norm.weight"),
-                 ("wq_b.weight", "q_b_proj.weight"), ("wo_a.weight", "o_a_proj.weight"),
-                 ("wo_b.weight", "o_b_proj.weight"), ("attn_sink", "sinks")]:
+    for a, b in [
+        ("q_norm.weight", "q_a_norm.weight"),
+        ("kv_norm.weight", "kv_norm.weight"),
+        ("wq_b.weight", "q_b_proj.weight"),
+        ("wo_a.weight", "o_a_proj.weight"),
+        ("wo_b.weight", "o_b_proj.weight"),
+        ("attn_sink", "sinks"),
+    ]:
         P[a].data.copy_(sd[b])
     if ratio:
         c = "compressor."
@@ -118,7 +134,8 @@ def _copy_attention(ref, mine, ratio):
     if ratio == 4:
         i = "compressor.indexer."
         P["indexer.compressor.fused_wkv_wgate.weight"].data.copy_(
-            torch.cat([sd[i + "kv_proj.weight"], sd[i + "gate_proj.weight"]]))
+            torch.cat([sd[i + "kv_proj.weight"], sd[i + "gate_proj.weight"]])
+        )
         P["indexer.compressor.ape"].data.copy_(sd[i + "position_bias"])
         P["indexer.compressor.norm.weight"].data.copy_(sd[i + "kv_norm.weight"])
         P["indexer.wq_b.weight"].data.copy_(sd[i + "q_b_proj.weight"])
@@ -158,16 +175,23 @@ def _hf_full(ref, hcfg, x: torch.Tensor) -> torch.Tensor:
     pos = torch.arange(x.shape[1])[None]
     rot = M.DeepseekV4RotaryEmbedding(hcfg)
     pe = {k: rot(x, pos, layer_type=k) for k in ("main", "compress")}
-    mask = create_sliding_window_causal_mask(config=hcfg, inputs_embeds=x, attention_mask=None,
-                                             past_key_values=None, position_ids=pos)
+    mask = create_sliding_window_causal_mask(
+        config=hcfg, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=pos
+    )
     with torch.no_grad():
         return ref(x, pe, pos, mask)[0]
 
 
-@pytest.mark.parametrize("ratios,lid", [
-    ([0, 4, 128, 4, 0], 0), ([0, 4, 128, 4, 0], 1), ([0, 4, 128, 4, 0], 2),
-    ([0, 4, 8, 4, 0], 1), ([0, 4, 8, 4, 0], 2),
-])
+@pytest.mark.parametrize(
+    "ratios,lid",
+    [
+        ([0, 4, 128, 4, 0], 0),
+        ([0, 4, 128, 4, 0], 1),
+        ([0, 4, 128, 4, 0], 2),
+        ([0, 4, 8, 4, 0], 1),
+        ([0, 4, 8, 4, 0], 2),
+    ],
+)
 @pytest.mark.usefixtures("vllm_dist")
 def test_attention_matches_hf(tmp_path, ratios, lid):
     """Full-sequence attention of every layer type over 300 tokens (window 128 wraps, C128 emits 2 entries,
@@ -200,8 +224,21 @@ def test_attention_chunked_queries_equal_full(tmp_path, monkeypatch, flash, unio
     x = torch.randn(300, cfg["hidden_size"])
     pos = torch.arange(300)
     # verify-sized chunks early (9..33: some of a query's picks lie beyond its causal limit) and late (202..209)
-    chunks = [(0, 9), (9, 12), (12, 15), (15, 19), (19, 30), (30, 33), (33, 37), (37, 200), (200, 201),
-              (201, 202), (202, 205), (205, 209), (209, 300)]
+    chunks = [
+        (0, 9),
+        (9, 12),
+        (12, 15),
+        (15, 19),
+        (19, 30),
+        (30, 33),
+        (33, 37),
+        (37, 200),
+        (200, 201),
+        (201, 202),
+        (202, 205),
+        (205, 209),
+        (209, 300),
+    ]
     with torch.no_grad():
         full = _ours_full(mine, x, pos)
         pieces = _ours_full(mine, x, pos, chunks=chunks)
@@ -220,8 +257,12 @@ def test_batched_sequences_equal_each_alone(tmp_path):
         xs = {s: torch.randn(n, cfg["hidden_size"], generator=g) for s, n in (("a", 300), ("b", 180), ("c", 90))}
         alone = {s: _ours_full(mine, x, torch.arange(x.shape[0])) for s, x in xs.items()}
         seqs = PagedSequences(mine, seed=3)
-        plan = [[("a", 0, 150), ("b", 0, 131)], [("a", 150, 151), ("b", 131, 170), ("c", 0, 60)],
-                [("c", 60, 61), ("a", 151, 154), ("b", 170, 171)], [("a", 154, 300), ("b", 171, 180), ("c", 61, 90)]]
+        plan = [
+            [("a", 0, 150), ("b", 0, 131)],
+            [("a", 150, 151), ("b", 131, 170), ("c", 0, 60)],
+            [("c", 60, 61), ("a", 151, 154), ("b", 170, 171)],
+            [("a", 154, 300), ("b", 171, 180), ("c", 61, 90)],
+        ]
         got = {s: [] for s in xs}
         for step in plan:
             for (s, _, _), out in zip(step, seqs.step([(s, xs[s][a:b]) for s, a, b in step])):
@@ -290,7 +331,7 @@ def test_keyed_top_entries_order_as_the_stable_sort(shape):
     scores[..., ::3] = 0.0
     scores[..., 1::7] = -0.0
     scores[..., 2::5] = scores[..., 4:5]  # repeated non-zero values
-    scores[..., -(shape[-1] // 4):] = float("-inf")
+    scores[..., -(shape[-1] // 4) :] = float("-inf")
     scores[0, 0, :] = float("-inf")  # a query that sees nothing: picks 0, 1, 2, ... as the sort gives
     # NaN (from an inf input only) of either sign: first, as in the sort
     scores[-1, -1, 7] = float("nan")
@@ -303,8 +344,9 @@ def test_keyed_top_entries_order_as_the_stable_sort(shape):
         assert torch.equal(indexer.top_entries(scores, k), want), k
     small = scores[:1, :1, :64]
     assert small.numel() < indexer.KEYED_TOPK_FROM
-    assert torch.equal(indexer.top_entries(small, 16),
-                       torch.sort(small, dim=-1, descending=True, stable=True).indices[..., :16])
+    assert torch.equal(
+        indexer.top_entries(small, 16), torch.sort(small, dim=-1, descending=True, stable=True).indices[..., :16]
+    )
 
 
 # --------------------------------------------------------------------------------------------- MoE
@@ -333,7 +375,7 @@ def _copy_moe(ref, mine, fmt, pack=False):
                 if shard == "w2":
                     ref.experts.down_proj.data[e] = w
                 else:
-                    ref.experts.gate_up_proj.data[e, (0 if shard == "w1" else inter):][:inter] = w
+                    ref.experts.gate_up_proj.data[e, (0 if shard == "w1" else inter) :][:inter] = w
             param = ex.w2_weight if shard == "w2" else ex.w13_weight
             param.weight_loader(param, w, f"experts.{e}.{shard}.weight", shard_id=shard, expert_id=e)
     if pack:
@@ -352,9 +394,9 @@ def test_moe_matches_hf(tmp_path, is_hash, fmt, packed):
     weights; W4A4 equals the same experts on fake-quantised activations. ``packed``: as the model loads it, so
     these sizes take the all-expert pass for 8 and 64 tokens (the shared expert in it; under W4A4 beside it,
     unrounded), not for 1,000; unpacked, the per-expert dispatch."""
+    from vllm_dsv4_mtp.config import DeepseekV4Spec
     from vllm_dsv4_mtp.formats import mxfp4
     from vllm_dsv4_mtp.model.experts import swiglu_clamped
-    from vllm_dsv4_mtp.config import DeepseekV4Spec
     from vllm_dsv4_mtp.model.moe import DeepseekV4MoE
 
     cfg, hcfg, _ = _configs(tmp_path)
@@ -400,8 +442,9 @@ def test_moe_matches_hf(tmp_path, is_hash, fmt, packed):
                     ref44[t] += w[t, k] * (mxfp4.fake_quant(h) @ w2.T)[0]
             torch.testing.assert_close(y44, ref44, atol=ATOL * ref44.abs().max().item(), rtol=0)
             assert (y44 - y).abs().max() > 1e-3  # W4A4 really rounds the activations
-            torch.testing.assert_close(mine(x[0, :8], ids[0, :8]), ref44[:8], atol=ATOL * ref44.abs().max().item(),
-                                       rtol=0)
+            torch.testing.assert_close(
+                mine(x[0, :8], ids[0, :8]), ref44[:8], atol=ATOL * ref44.abs().max().item(), rtol=0
+            )
 
 
 _TRUNCATING_KERNEL = """

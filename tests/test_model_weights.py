@@ -9,7 +9,6 @@ its scale are errors naming the tensor; ``mtp.*`` is skipped on purpose.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -46,6 +45,7 @@ def test_native_name_map():
 def test_draft_name_maps_portable_and_in_tree():
     """The two draft layouts differ only where vLLM's in-tree layers keep native mHC names and hold routed
     experts under ``routed_experts``; a fused shared expert becomes expert ``n_routed_experts``."""
+
     def m(name, layout, fused=None):
         return draft_param(name, num_hidden_layers=61, num_mtp_layers=1, layout=layout, fused_shared_expert_id=fused)
 
@@ -63,10 +63,15 @@ def test_draft_name_maps_portable_and_in_tree():
     t = m("mtp.0.ffn.experts.5.w3.weight", IN_TREE)
     assert (t.param, t.expert, t.shard) == ("model.layers.61.mtp_block.ffn.experts.routed_experts.w13_weight", 5, "w3")
     assert m("mtp.0.ffn.shared_experts.w2.weight", IN_TREE).param == (
-        "model.layers.61.mtp_block.ffn.shared_experts.down_proj.weight")
+        "model.layers.61.mtp_block.ffn.shared_experts.down_proj.weight"
+    )
     t = m("mtp.0.ffn.shared_experts.w2.weight", IN_TREE, fused=384)
     assert (t.param, t.kind, t.expert, t.shard) == (
-        "model.layers.61.mtp_block.ffn.experts.routed_experts.w2_weight", "expert", 384, "w2")
+        "model.layers.61.mtp_block.ffn.experts.routed_experts.w2_weight",
+        "expert",
+        384,
+        "w2",
+    )
     with pytest.raises(KeyError, match="mtp.1.e_proj.weight: MTP layer 1 is beyond num_nextn_predict_layers=1"):
         m("mtp.1.e_proj.weight", IN_TREE)
 
@@ -77,8 +82,9 @@ def _build(ckpt, dtype="float32"):
 
     from vllm_dsv4_mtp.model.deepseek_v4 import DeepseekV4ForCausalLM
 
-    cfg = EngineArgs(model=str(ckpt), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
-                     max_model_len=512).create_engine_config()
+    cfg = EngineArgs(
+        model=str(ckpt), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=512
+    ).create_engine_config()
     with set_current_vllm_config(cfg), torch.device("cpu"):
         torch.set_default_dtype(cfg.model_config.dtype)
         try:
@@ -98,12 +104,15 @@ def ckpts(tmp_path_factory):
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("w")
-    return {kind: build_tiny_checkpoint(root / kind, seed=0, **kw, tokenizer=False) for kind, kw in {
-        "bf16": {},
-        "mxfp4": {"experts": "mxfp4"},
-        "official": {"experts": "fp4-official", "linears": "fp8"},
-        "fse": {"experts": "mxfp4", "shared_experts": "mxfp4"},
-    }.items()}
+    return {
+        kind: build_tiny_checkpoint(root / kind, seed=0, **kw, tokenizer=False)
+        for kind, kw in {
+            "bf16": {},
+            "mxfp4": {"experts": "mxfp4"},
+            "official": {"experts": "fp4-official", "linears": "fp8"},
+            "fse": {"experts": "mxfp4", "shared_experts": "mxfp4"},
+        }.items()
+    }
 
 
 @pytest.mark.usefixtures("vllm_dist")
@@ -114,16 +123,21 @@ def test_bf16_checkpoint_loads_every_tensor(ckpts):
     assert loaded == {n for n, _ in model.named_parameters()}
     p = dict(model.named_parameters())
     q_lora = 64
-    assert torch.equal(p["model.layers.1.attn.fused_wqa_wkv.weight"][:q_lora], tensors["layers.1.attn.wq_a.weight"].float())
+    assert torch.equal(
+        p["model.layers.1.attn.fused_wqa_wkv.weight"][:q_lora], tensors["layers.1.attn.wq_a.weight"].float()
+    )
     assert torch.equal(p["model.layers.0.ffn.gate.tid2eid"], tensors["layers.0.ffn.gate.tid2eid"].int())
-    assert torch.equal(p["model.layers.1.ffn.experts.w13_weight"][3, 64:], tensors["layers.1.ffn.experts.3.w3.weight"].float())
+    assert torch.equal(
+        p["model.layers.1.ffn.experts.w13_weight"][3, 64:], tensors["layers.1.ffn.experts.3.w3.weight"].float()
+    )
 
 
 def _decoded(tensors, name, scale_suffix, dtype):
     from vllm_dsv4_mtp.formats import mxfp4
 
-    return mxfp4.dequantize(tensors[name + ".weight"].view(torch.uint8),
-                            tensors[name + scale_suffix].view(torch.uint8), dtype=dtype)
+    return mxfp4.dequantize(
+        tensors[name + ".weight"].view(torch.uint8), tensors[name + scale_suffix].view(torch.uint8), dtype=dtype
+    )
 
 
 @pytest.mark.usefixtures("vllm_dist")
@@ -140,8 +154,10 @@ def test_official_layout_decodes_to_the_bf16_weights(ckpts):
     assert torch.equal(p["model.layers.2.attn.wq_b.weight"], wq_b)
     src = _tensors(ckpts["bf16"])["layers.2.attn.wq_b.weight"].float()
     assert (wq_b.float() - src).abs().max() <= src.abs().max() / 8  # e4m3: 3 mantissa bits
-    assert torch.equal(p["model.layers.3.ffn.experts.w2_weight"][5],
-                       _decoded(tensors, "layers.3.ffn.experts.5.w2", ".scale", torch.bfloat16))
+    assert torch.equal(
+        p["model.layers.3.ffn.experts.w2_weight"][5],
+        _decoded(tensors, "layers.3.ffn.experts.5.w2", ".scale", torch.bfloat16),
+    )
     assert model.describe()["expert_activation_quant"] == [False] * 4
 
 
@@ -151,19 +167,24 @@ def test_quark_mxfp4_checkpoint_loads(ckpts):
     tensors = _tensors(ckpts["mxfp4"])
     model.load_weights(tensors.items())
     p = dict(model.named_parameters())
-    assert torch.equal(p["model.layers.1.ffn.experts.w13_weight"][2, :64],
-                       _decoded(tensors, "layers.1.ffn.experts.2.w1", ".weight_scale", torch.bfloat16))
+    assert torch.equal(
+        p["model.layers.1.ffn.experts.w13_weight"][2, :64],
+        _decoded(tensors, "layers.1.ffn.experts.2.w1", ".weight_scale", torch.bfloat16),
+    )
     assert model.describe()["expert_activation_quant"] == [True] * 4
 
 
-@pytest.mark.parametrize("breakage,message", [
-    ("drop", r"layers\.2\.attn\.compressor\.ape: tensor missing from the checkpoint"),
-    ("reshape", r"layers\.1\.attn\.wo_b\.weight: expected shape \(128, 64\), got \(128, 63\)"),
-    ("unknown", r"layers\.1\.attn\.bogus\.weight: unexpected tensor for this config"),
-    ("nan", r"layers\.1\.attn\.wo_b\.weight: 1 non-finite value\(s\) \(NaN or Inf\); the checkpoint is corrupt"),
-    ("ids", r"layers\.0\.ffn\.gate\.tid2eid: expert ids must lie in \[0, 8\)"),
-    ("dtype", r"hc_head_fn: stored as torch\.bfloat16, expected F32 \(the DeepSeek-V4 layout\)"),
-])
+@pytest.mark.parametrize(
+    "breakage,message",
+    [
+        ("drop", r"layers\.2\.attn\.compressor\.ape: tensor missing from the checkpoint"),
+        ("reshape", r"layers\.1\.attn\.wo_b\.weight: expected shape \(128, 64\), got \(128, 63\)"),
+        ("unknown", r"layers\.1\.attn\.bogus\.weight: unexpected tensor for this config"),
+        ("nan", r"layers\.1\.attn\.wo_b\.weight: 1 non-finite value\(s\) \(NaN or Inf\); the checkpoint is corrupt"),
+        ("ids", r"layers\.0\.ffn\.gate\.tid2eid: expert ids must lie in \[0, 8\)"),
+        ("dtype", r"hc_head_fn: stored as torch\.bfloat16, expected F32 \(the DeepSeek-V4 layout\)"),
+    ],
+)
 @pytest.mark.usefixtures("vllm_dist")
 def test_bad_checkpoints_are_errors_naming_the_tensor(ckpts, breakage, message):
     model = _build(ckpts["bf16"])
@@ -190,8 +211,11 @@ def test_fp8_weight_without_scale_is_an_error(ckpts):
     model = _build(ckpts["official"], dtype="bfloat16")
     tensors = _tensors(ckpts["official"])
     del tensors["layers.0.attn.wo_a.scale"]
-    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wo_a\.weight: quantized weight \(torch\.float8_e4m3fn\) "
-                                         r"without its scale \(\.scale / \.weight_scale\) in the checkpoint"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.0\.attn\.wo_a\.weight: quantized weight \(torch\.float8_e4m3fn\) "
+        r"without its scale \(\.scale / \.weight_scale\) in the checkpoint",
+    ):
         model.load_weights(tensors.items())
 
 
@@ -200,8 +224,11 @@ def test_mxfp4_expert_without_scale_is_an_error(ckpts):
     model = _build(ckpts["mxfp4"], dtype="bfloat16")
     tensors = _tensors(ckpts["mxfp4"])
     del tensors["layers.3.ffn.experts.6.w1.weight_scale"]
-    with pytest.raises(ValueError, match=r"layers\.3\.ffn\.experts\.6\.w1\.weight: quantized weight \(torch\.uint8\) "
-                                         r"without its scale"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.3\.ffn\.experts\.6\.w1\.weight: quantized weight \(torch\.uint8\) "
+        r"without its scale",
+    ):
         model.load_weights(tensors.items())
 
 
@@ -227,8 +254,10 @@ def test_mxfp4_shared_experts_fse_layout(ckpts):
     model.load_weights(tensors.items())
     assert model.describe()["shared_activation_quant"] == [True] * 4
     shared = model.model.layers[1].ffn.shared_experts
-    dq = {s: _decoded(tensors, f"layers.1.ffn.shared_experts.{s}", ".weight_scale", torch.bfloat16)
-          for s in ("w1", "w2", "w3")}
+    dq = {
+        s: _decoded(tensors, f"layers.1.ffn.shared_experts.{s}", ".weight_scale", torch.bfloat16)
+        for s in ("w1", "w2", "w3")
+    }
     assert torch.equal(shared.down_proj.weight, dq["w2"])
     x = torch.randn(6, 128, dtype=torch.bfloat16)
     xq = mxfp4.fake_quant(x)

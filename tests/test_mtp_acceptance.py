@@ -33,9 +33,17 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model, start_engine):
-    return start_engine(model[0], dtype="bfloat16", enforce_eager=True, max_model_len=512, max_num_seqs=8,
-                        skip_tokenizer_init=True, seed=0, disable_log_stats=False,
-                        speculative_config={"method": "mtp", "num_speculative_tokens": K})
+    return start_engine(
+        model[0],
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=8,
+        skip_tokenizer_init=True,
+        seed=0,
+        disable_log_stats=False,
+        speculative_config={"method": "mtp", "num_speculative_tokens": K},
+    )
 
 
 def _prompts(seed=11):
@@ -59,8 +67,9 @@ def test_greedy_agreeing_mtp_is_accepted(llm, model):
 
     _, perm = model
     prompts = _prompts()
-    gens, m = _run(llm, prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                                 detokenize=False))
+    gens, m = _run(
+        llm, prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+    )
     # the target really is the permutation model, and speculation changed nothing
     assert gens == [permutation_chain(perm, p[-1], MAX_TOKENS) for p in prompts]
     print("greedy:", m.summary())
@@ -80,8 +89,9 @@ def test_sampled_agreeing_mtp_is_accepted(llm, model):
 
     _, perm = model
     prompts = _prompts(seed=12)
-    gens, m = _run(llm, prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3, ignore_eos=True,
-                                                 detokenize=False))
+    gens, m = _run(
+        llm, prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3, ignore_eos=True, detokenize=False)
+    )
     # the target's top-1 has probability ~1 - 1e-8: sampling follows the chain
     assert gens == [permutation_chain(perm, p[-1], MAX_TOKENS) for p in prompts]
     print("sampled:", m.summary())

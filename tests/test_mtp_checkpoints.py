@@ -44,8 +44,14 @@ def test_mtp_activity_sees_a_part_that_contributes_nothing(tiny):
     from vllm_dsv4_mtp.reference.mtp import ReferenceMTP
 
     ckpt, cfg = tiny
-    rewrite_tensors(ckpt, lambda n, t: torch.zeros_like(t) if n.startswith("mtp.") and n.endswith(
-        ("attn.wo_b.weight", "shared_experts.w2.weight")) else None)
+    rewrite_tensors(
+        ckpt,
+        lambda n, t: (
+            torch.zeros_like(t)
+            if n.startswith("mtp.") and n.endswith(("attn.wo_b.weight", "shared_experts.w2.weight"))
+            else None
+        ),
+    )
     got = mtp_activity(ReferenceMTP.from_checkpoint(ckpt), *_inputs(cfg))
     assert got["attention"] == 0.0 and got["shared"] == 0.0 and got["routed"] > 0.1, got
 

@@ -50,11 +50,22 @@ def generate(ckpt):
     def run(k: int):
         if k not in cache:
             sc = {"method": "mtp", "num_speculative_tokens": k} if k else None
-            with vllm_engine(ckpt, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8,
-                             skip_tokenizer_init=True, seed=0, speculative_config=sc, disable_log_stats=False) as llm:
-                outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()],
-                                    SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                                   detokenize=False), use_tqdm=False)
+            with vllm_engine(
+                ckpt,
+                dtype="float32",
+                enforce_eager=True,
+                max_model_len=512,
+                max_num_seqs=8,
+                skip_tokenizer_init=True,
+                seed=0,
+                speculative_config=sc,
+                disable_log_stats=False,
+            ) as llm:
+                outs = llm.generate(
+                    [{"prompt_token_ids": p} for p in _prompts()],
+                    SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False),
+                    use_tqdm=False,
+                )
                 cache[k] = ([list(o.outputs[0].token_ids) for o in outs], spec_decode_from_llm(llm.get_metrics()))
         return cache[k]
 
@@ -73,8 +84,10 @@ def test_greedy_outputs_equal_mtp_off(generate, k):
     base, _ = generate(0)
     gens, spec = generate(k)
     for i, (a, b) in enumerate(zip(gens, base)):
-        assert a == b, f"prompt {i} ({PROMPT_LENS[i]} tokens), K={k}: first difference at step " \
-                       f"{next(j for j in range(len(a)) if a[j] != b[j])}"
+        assert a == b, (
+            f"prompt {i} ({PROMPT_LENS[i]} tokens), K={k}: first difference at step "
+            f"{next(j for j in range(len(a)) if a[j] != b[j])}"
+        )
     # the draft really ran at every step, and a random MTP layer is (nearly) never accepted
     assert spec is not None and spec.num_drafts >= len(PROMPT_LENS) * (MAX_TOKENS - 1) / 2
     assert spec.num_draft_tokens == k * spec.num_drafts
@@ -88,19 +101,31 @@ def test_chunked_prefill_with_mtp_follows_the_target(ckpt):
     HF's float32 argmax over the whole sequence (the target's function, teacher-forced)."""
     from vllm import SamplingParams
 
-    from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement, load_hf_model
     from vllm_dsv4_mtp.serve.metrics import spec_decode_from_llm
+    from vllm_dsv4_mtp.testing.hf_oracle import greedy_agreement, load_hf_model
 
     # VLLM_MLA_DISABLE: vLLM otherwise forces chunked prefill off for model_type deepseek_v4
-    with vllm_engine(ckpt, env={"VLLM_MLA_DISABLE": "1"}, dtype="float32", enforce_eager=True, max_model_len=512,
-                     max_num_seqs=4, skip_tokenizer_init=True, seed=0, disable_log_stats=False,
-                     enable_chunked_prefill=True, max_num_batched_tokens=64,
-                     speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+    with vllm_engine(
+        ckpt,
+        env={"VLLM_MLA_DISABLE": "1"},
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=4,
+        skip_tokenizer_init=True,
+        seed=0,
+        disable_log_stats=False,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=64,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+    ) as llm:
         assert llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
         prompts = random_prompts((20, 130, 200), seed=22)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False),
-                            use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False),
+            use_tqdm=False,
+        )
         spec = spec_decode_from_llm(llm.get_metrics())
     assert spec is not None and spec.num_drafts > 0
     r = greedy_agreement(outs, prompts, load_hf_model(ckpt))

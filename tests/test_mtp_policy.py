@@ -21,8 +21,10 @@ from engines import vllm_engine
 from vllm_dsv4_mtp import draft_policy as mtp_policy
 
 ENV = mtp_policy.QUANTIZED_MTP_ENV
-REFUSAL_TAIL = (", and VLLM_DSV4_MTP_QUANTIZED_MTP=refuse. Unset it (the default, 'dequantize', decodes quantized "
-                "MTP weights exactly to BF16 at load), or use a checkpoint whose MTP layer is stored BF16.")
+REFUSAL_TAIL = (
+    ", and VLLM_DSV4_MTP_QUANTIZED_MTP=refuse. Unset it (the default, 'dequantize', decodes quantized "
+    "MTP weights exactly to BF16 at load), or use a checkpoint whose MTP layer is stored BF16."
+)
 
 
 # ------------------------------------------------------------------------------------------ pure policy
@@ -39,8 +41,10 @@ def test_draft_dtype():
     assert mtp_policy.check_draft_dtype(torch.float32) is torch.float32
     with pytest.raises(mtp_policy.MtpPrecisionError) as e:
         mtp_policy.check_draft_dtype(torch.float16)
-    assert str(e.value) == ("the DeepSeek-V4 MTP draft runs in bfloat16 (or float32 for testing), but the engine "
-                            "dtype is torch.float16; start vLLM with dtype='bfloat16'")
+    assert str(e.value) == (
+        "the DeepSeek-V4 MTP draft runs in bfloat16 (or float32 for testing), but the engine "
+        "dtype is torch.float16; start vLLM with dtype='bfloat16'"
+    )
 
 
 def _mtp_modules():
@@ -76,7 +80,8 @@ def test_declared_precisions_of_quark_and_official_configs():
         assert declared["mtp.0.h_proj"] == "fp8-block" and declared["mtp.0.ffn.experts.3.w3"] == "fp4"
         assert declared["mtp.0.ffn.shared_experts.w1"] == "fp8-block"
     assert mtp_policy.declared_mtp_precisions(_spec(official, expert_dtype="fp8"))["mtp.0.ffn.experts.3.w3"] == (
-        "fp8-block")
+        "fp8-block"
+    )
 
 
 def test_cpu_expand_kernel_replacement():
@@ -101,7 +106,9 @@ def ckpts(tmp_path_factory):
     # config declares mtp.* MXFP4, and there are no mtp.* tensors at all
     leaky = build_tiny_checkpoint(root / "quark-no-mtp", seed=0, experts="mxfp4", mtp=False)
     cfg = json.loads((leaky / "config.json").read_text())
-    cfg["quantization_config"]["exclude"] = [e for e in cfg["quantization_config"]["exclude"] if not e.startswith("mtp.")]
+    cfg["quantization_config"]["exclude"] = [
+        e for e in cfg["quantization_config"]["exclude"] if not e.startswith("mtp.")
+    ]
     (leaky / "config.json").write_text(json.dumps(cfg))
     return {
         "bf16": build_tiny_checkpoint(root / "bf16", seed=0),
@@ -116,8 +123,14 @@ def ckpts(tmp_path_factory):
 def _vllm_config(ckpt, dtype="bfloat16"):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=str(ckpt), dtype=dtype, enforce_eager=True, max_model_len=256, skip_tokenizer_init=True,
-                      speculative_config={"method": "mtp", "num_speculative_tokens": 1}).create_engine_config()
+    return EngineArgs(
+        model=str(ckpt),
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=256,
+        skip_tokenizer_init=True,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    ).create_engine_config()
 
 
 def _build_draft(ckpt, dtype="bfloat16"):
@@ -164,10 +177,14 @@ def test_draft_never_takes_the_targets_quant_config(ckpts, monkeypatch):
         draft = _build_draft(ckpts[name])
         linears = [(n, m) for n, m in draft.named_modules() if isinstance(m, LinearBase)]
         assert sorted(n for n, _ in linears) == [
-            "model.layers.4.e_proj", "model.layers.4.h_proj", "model.layers.4.mtp_block.attn.fused_wqa_wkv",
-            "model.layers.4.mtp_block.attn.wo_b", "model.layers.4.mtp_block.attn.wq_b",
+            "model.layers.4.e_proj",
+            "model.layers.4.h_proj",
+            "model.layers.4.mtp_block.attn.fused_wqa_wkv",
+            "model.layers.4.mtp_block.attn.wo_b",
+            "model.layers.4.mtp_block.attn.wq_b",
             "model.layers.4.mtp_block.ffn.shared_experts.down_proj",
-            "model.layers.4.mtp_block.ffn.shared_experts.gate_up_proj"]
+            "model.layers.4.mtp_block.ffn.shared_experts.gate_up_proj",
+        ]
         for n, m in linears:
             assert isinstance(m.quant_method, UnquantizedLinearMethod), (name, n, m.quant_method)
         assert draft.describe()["expert_activation_quant"] is False
@@ -180,8 +197,10 @@ def test_quantized_mtp_is_refused_on_request(ckpts, monkeypatch):
     with pytest.raises(mtp_policy.MtpPrecisionError) as e:
         _build_draft(ckpts["official"])
     n = len(_mtp_modules())
-    assert str(e.value) == (f"{ckpts['official']}/config.json: MTP module mtp.0.attn.wkv (and {n - 1} more MTP "
-                            "modules) is declared fp8-block by quantization_config" + REFUSAL_TAIL)
+    assert str(e.value) == (
+        f"{ckpts['official']}/config.json: MTP module mtp.0.attn.wkv (and {n - 1} more MTP "
+        "modules) is declared fp8-block by quantization_config" + REFUSAL_TAIL
+    )
 
 
 @pytest.mark.usefixtures("vllm_dist")
@@ -196,8 +215,9 @@ def test_quantized_mtp_tensor_refused_even_if_config_says_bf16(ckpts, monkeypatc
     tensors["mtp.0.h_proj.weight"], tensors["mtp.0.h_proj.scale"] = q, s
     with pytest.raises(mtp_policy.MtpPrecisionError) as e:
         draft.load_weights(iter(tensors.items()))
-    assert str(e.value) == (f"{ckpts['bf16']}: MTP tensor mtp.0.h_proj.weight is stored FP8 (float8_e4m3fn)"
-                            + REFUSAL_TAIL)
+    assert str(e.value) == (
+        f"{ckpts['bf16']}: MTP tensor mtp.0.h_proj.weight is stored FP8 (float8_e4m3fn)" + REFUSAL_TAIL
+    )
 
 
 @pytest.mark.usefixtures("vllm_dist")
@@ -213,17 +233,22 @@ def test_quantized_mtp_is_dequantized_exactly_by_default(ckpts, monkeypatch):
     p = dict(draft.named_parameters())
     want = dequantize_block_fp8(tensors["mtp.0.e_proj.weight"], tensors["mtp.0.e_proj.scale"], torch.bfloat16)
     assert torch.equal(p["model.layers.4.e_proj.weight"], want)
-    w1 = mxfp4.dequantize(tensors["mtp.0.ffn.experts.2.w1.weight"].view(torch.uint8),
-                          tensors["mtp.0.ffn.experts.2.w1.scale"].view(torch.uint8), torch.bfloat16)
+    w1 = mxfp4.dequantize(
+        tensors["mtp.0.ffn.experts.2.w1.weight"].view(torch.uint8),
+        tensors["mtp.0.ffn.experts.2.w1.scale"].view(torch.uint8),
+        torch.bfloat16,
+    )
     assert torch.equal(p["model.layers.4.mtp_block.ffn.experts.w13_weight"][2, :64], w1)
     # FP8 / FP4 codes are exact in BF16, and close to the BF16 weights they were made from
     ref = _tensors(ckpts["bf16"])["mtp.0.e_proj.weight"].float()
     assert (want.float() - ref).abs().max() <= 0.07 * ref.abs().max()
 
 
-NO_MTP_TAIL = ("speculative decoding with method 'mtp' needs the checkpoint's MTP layer, but it has no MTP weights: "
-               "no mtp.* tensor in its index or shards (config.json says num_nextn_predict_layers=1). Serve it "
-               "without a speculative config, or use a checkpoint that ships its MTP layer.")
+NO_MTP_TAIL = (
+    "speculative decoding with method 'mtp' needs the checkpoint's MTP layer, but it has no MTP weights: "
+    "no mtp.* tensor in its index or shards (config.json says num_nextn_predict_layers=1). Serve it "
+    "without a speculative config, or use a checkpoint that ships its MTP layer."
+)
 
 
 @pytest.mark.parametrize("option", ["dequantize", "refuse"])
@@ -253,8 +278,7 @@ def test_missing_or_misshaped_mtp_tensor_is_named(ckpts):
     extra = dict(tensors, **{"mtp.1.e_proj.weight": tensors["mtp.0.e_proj.weight"]})
     with pytest.raises(ValueError) as e:
         _build_draft(ckpts["bf16"]).load_weights(iter(extra.items()))
-    assert str(e.value) == (f"{ckpts['bf16']}: mtp.1.e_proj.weight: MTP layer 1 is beyond "
-                            "num_nextn_predict_layers=1")
+    assert str(e.value) == (f"{ckpts['bf16']}: mtp.1.e_proj.weight: MTP layer 1 is beyond num_nextn_predict_layers=1")
 
 
 def test_num_nextn_predict_layers_zero_fails_in_vllm(tmp_path):
@@ -270,11 +294,16 @@ def test_num_nextn_predict_layers_zero_fails_in_vllm(tmp_path):
     d = build_tiny_checkpoint(tmp_path / "zero", tiny_config(num_nextn_predict_layers=0), mtp=False)
     assert json.loads((Path(d) / "config.json").read_text())["num_nextn_predict_layers"] == 0
     with pytest.raises(ZeroDivisionError):
-        EngineArgs(model=str(d), max_model_len=256, skip_tokenizer_init=True,
-                   speculative_config={"method": "mtp", "num_speculative_tokens": 1}).create_engine_config()
+        EngineArgs(
+            model=str(d),
+            max_model_len=256,
+            skip_tokenizer_init=True,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+        ).create_engine_config()
     with pytest.raises(Exception, match="num_speculative_tokens must be provided"):
-        EngineArgs(model=str(d), max_model_len=256, skip_tokenizer_init=True,
-                   speculative_config={"method": "mtp"}).create_engine_config()
+        EngineArgs(
+            model=str(d), max_model_len=256, skip_tokenizer_init=True, speculative_config={"method": "mtp"}
+        ).create_engine_config()
 
 
 # ------------------------------------------------------------------------------------------ through vLLM
@@ -283,8 +312,15 @@ def test_engine_start_without_mtp_weights_fails_naming_the_checkpoint(ckpts):
     """The real engine (in-process, so the worker's exception reaches the caller unchanged)."""
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     with pytest.raises(ValueError) as e:
-        with vllm_engine(ckpts["no-mtp"], in_process=True, dtype="bfloat16", enforce_eager=True, max_model_len=256,
-                         skip_tokenizer_init=True, speculative_config=spec):
+        with vllm_engine(
+            ckpts["no-mtp"],
+            in_process=True,
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=256,
+            skip_tokenizer_init=True,
+            speculative_config=spec,
+        ):
             pass  # not reached: the engine must not start
     assert str(e.value) == f"{ckpts['no-mtp']}: {NO_MTP_TAIL}"
 

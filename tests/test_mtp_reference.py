@@ -43,21 +43,32 @@ def run(ckpt, start_engine):
     from vllm import SamplingParams
 
     # in-process: the test reads the drafter's inputs
-    llm = start_engine(ckpt, in_process=True, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
-                       skip_tokenizer_init=True, seed=0,
-                       speculative_config={"method": "mtp", "num_speculative_tokens": K})
+    llm = start_engine(
+        ckpt,
+        in_process=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=4,
+        skip_tokenizer_init=True,
+        seed=0,
+        speculative_config={"method": "mtp", "num_speculative_tokens": K},
+    )
     draft = drafter(llm)
     calls = []
 
     def record(module, args, kwargs, out):
-        calls.append({k: kwargs[k].detach().clone() for k in ("input_ids", "positions", "hidden_states")}
-                     | {"out": out.detach().clone()})
+        calls.append(
+            {k: kwargs[k].detach().clone() for k in ("input_ids", "positions", "hidden_states")}
+            | {"out": out.detach().clone()}
+        )
 
     prompts = random_prompts(PROMPT_LENS, seed=7)
     handle = draft.register_forward_hook(record, with_kwargs=True)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=2, temperature=0.0, detokenize=False))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=2, temperature=0.0, detokenize=False)
+        )
     finally:
         handle.remove()
     return {"draft": draft, "calls": calls, "prompts": prompts, "outs": outs}
@@ -65,8 +76,8 @@ def run(ckpt, start_engine):
 
 @pytest.fixture(scope="module")
 def oracles(ckpt):
-    from vllm_dsv4_mtp.testing.hf_oracle import load_hf_model
     from vllm_dsv4_mtp.reference.mtp import ReferenceMTP
+    from vllm_dsv4_mtp.testing.hf_oracle import load_hf_model
 
     return load_hf_model(ckpt), ReferenceMTP.from_checkpoint(ckpt)
 
@@ -126,8 +137,12 @@ def test_draft_logits_match_reference_mtp(run, oracles):
         rows = slice(start, start + n)
         with torch.no_grad():
             cache = DynamicCache(config=ref.config)
-            state = ref(step1["hidden_states"][rows].view(1, n, hc, d), step1["input_ids"][rows][None].long(),
-                        torch.arange(n)[None], past_key_values=cache)
+            state = ref(
+                step1["hidden_states"][rows].view(1, n, hc, d),
+                step1["input_ids"][rows][None].long(),
+                torch.arange(n)[None],
+                past_key_values=cache,
+            )
             want = ref.logits(state)[0]
             got = draft.compute_logits(step1["out"][rows])
             worst = max(worst, (got - want).abs().max().item())

@@ -34,11 +34,22 @@ def _run(ckpt, k: int):
 
     prompts = random_prompts(PROMPT_LENS, seed=31)
     sc = {"method": "mtp", "num_speculative_tokens": k} if k else None
-    with vllm_engine(ckpt, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
-                     skip_tokenizer_init=True, seed=0, speculative_config=sc, disable_log_stats=False) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                           detokenize=False), use_tqdm=False)
+    with vllm_engine(
+        ckpt,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=4,
+        skip_tokenizer_init=True,
+        seed=0,
+        speculative_config=sc,
+        disable_log_stats=False,
+    ) as llm:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False),
+            use_tqdm=False,
+        )
         spec = spec_decode_from_llm(llm.get_metrics())
     return prompts, outs, spec
 

@@ -39,8 +39,14 @@ def _prompts(seed=31):
 
 
 def _complete(url, prompt, **kw):
-    body = {"model": "dsv4-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "return_token_ids": True, **kw}
+    body = {
+        "model": "dsv4-tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **kw,
+    }
     choice = post_json(url + "/v1/completions", body)["choices"][0]
     return list(choice["token_ids"])
 
@@ -49,7 +55,7 @@ def test_the_plugin_draft_serves_mtp(server):
     text = server.log_path.read_text()
     # the wrapper's printed command: float32 (what the HF comparison needs) and the profile's MTP config at K
     assert "  --dtype float32 \\\n" in text
-    spec = '{"method":"mtp","num_speculative_tokens":%d}' % K
+    spec = f'{{"method":"mtp","num_speculative_tokens":{K}}}'
     assert f"  --speculative-config '{spec}' \\\n" in text
     assert "DeepSeek-V4 MTP draft served by the plugin's portable vllm_dsv4_mtp.model.mtp.DeepSeekV4MTPModel" in text
     assert "Shared target model lm_head with MTP shared_head.head." in text
@@ -57,8 +63,8 @@ def test_the_plugin_draft_serves_mtp(server):
 
 def test_concurrent_requests_lossless_and_counted(server, ckpt):
     """8 greedy requests and 4 sampled ones at once; greedy tokens == HF's full-sequence argmax at every step."""
-    from vllm_dsv4_mtp.testing.hf_oracle import hf_logprobs, load_hf_model
     from vllm_dsv4_mtp.serve.metrics import scrape
+    from vllm_dsv4_mtp.testing.hf_oracle import hf_logprobs, load_hf_model
 
     url = server.base_url
     before = scrape(url)
@@ -80,8 +86,9 @@ def test_concurrent_requests_lossless_and_counted(server, ckpt):
         for j, tok in enumerate(gen):
             steps += 1
             if tok != int(ref[j].argmax()):
-                assert top2[j, 0] - top2[j, 1] < 1e-4, f"prompt of {len(prompt)} tokens, step {j}: {tok} is not " \
-                                                       f"HF's argmax {int(ref[j].argmax())}"
+                assert top2[j, 0] - top2[j, 1] < 1e-4, (
+                    f"prompt of {len(prompt)} tokens, step {j}: {tok} is not HF's argmax {int(ref[j].argmax())}"
+                )
                 ties += 1
     assert steps == len(prompts) * MAX_TOKENS and ties <= 1
 

@@ -26,6 +26,7 @@ torch.set_num_threads(1)
 # codec behaviour (no Quark)
 # ----------------------------------------------------------------------------------------------------------
 
+
 def test_pack_unpack_every_byte():
     every = torch.arange(256, dtype=torch.uint8).reshape(2, 128)
     codes = mxfp4.unpack_codes(every)
@@ -50,13 +51,13 @@ def test_e8m0_every_byte():
     assert math.isnan(f[255].item())
     for byte in range(255):
         assert f[byte].item() == math.ldexp(1.0, byte - 127), byte
-    assert f[0].item() == 2.0 ** -127  # a float32 subnormal, not flushed
+    assert f[0].item() == 2.0**-127  # a float32 subnormal, not flushed
     if hasattr(torch, "float8_e8m0fnu"):  # the dtype safetensors' F8_E8M0 loads as
         assert torch.equal(mxfp4.e8m0_to_float(b.view(torch.float8_e8m0fnu))[:255], f[:255])
 
 
 def test_scale_rule_examples():
-    amax = torch.tensor([0.0, 1.0, 1.5, 1.74, 1.75, 6.0, 7.0, 2.0 ** 127, 3.4e38, math.inf, math.nan, 2.0 ** -125])
+    amax = torch.tensor([0.0, 1.0, 1.5, 1.74, 1.75, 6.0, 7.0, 2.0**127, 3.4e38, math.inf, math.nan, 2.0**-125])
     # 1.75 -> exponent -1 (byte 126), not floor(log2) - 2 = -2; 7 -> 1; inf and overflow -> 254; NaN -> 255
     assert mxfp4.e8m0_scale_even(amax).tolist() == [1, 125, 125, 125, 126, 127, 128, 252, 254, 254, 255, 0]
 
@@ -64,7 +65,7 @@ def test_scale_rule_examples():
 def test_grid_values_are_fixed_points():
     grid = torch.tensor(mxfp4.E2M1_VALUES[:8] + mxfp4.E2M1_VALUES[9:])  # 15 distinct values, amax 6
     for k in (-100, -3, 0, 5, 100):
-        x = torch.cat([grid, grid.flip(0), torch.tensor([6.0, 0.0])]).reshape(1, 32) * 2.0 ** k
+        x = torch.cat([grid, grid.flip(0), torch.tensor([6.0, 0.0])]).reshape(1, 32) * 2.0**k
         p, s = mxfp4.quantize(x)
         assert s.item() == 127 + k
         assert torch.equal(mxfp4.dequantize(p, s), x)
@@ -106,8 +107,31 @@ def _round_trip_blocks() -> list[torch.Tensor]:
     top, with both signs; inf / NaN / signed zeros; random data at scales from 1e-30 to 1e30."""
     g = torch.Generator().manual_seed(3)
     out = [torch.randn(64, 256, generator=g) * s for s in (1e-30, 1e-3, 1.0, 7.0, 1e3, 1e30)]
-    grid = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 5.9, 6.0, 6.5,
-            0.2500001, 0.2499999, 2.4999998, 2.5000002, 4.9999995, 5.0000005]
+    grid = [
+        0.0,
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+        1.25,
+        1.5,
+        1.75,
+        2.0,
+        2.5,
+        3.0,
+        3.5,
+        4.0,
+        5.0,
+        5.9,
+        6.0,
+        6.5,
+        0.2500001,
+        0.2499999,
+        2.4999998,
+        2.5000002,
+        4.9999995,
+        5.0000005,
+    ]
     row = torch.tensor((grid + [6.0] * 32)[:32])
     for e in (-130, -127, -126, -10, 0, 10, 120, 126):
         out.append(torch.stack([row, -row]) * 2.0**e)
@@ -131,8 +155,11 @@ def test_fake_quant_is_quantize_then_dequantize_bit_for_bit(dtype):
     """fake_quant rounds on the grid without forming codes; it must equal the codec's round trip in every bit
     (the sign of zero included: Quark writes +0.0), NaN where the codec gives NaN: on the corner blocks of both
     sets here and on random float32 bit patterns."""
-    raw = torch.randint(-(2**31), 2**31 - 1, (1024, 256), generator=torch.Generator().manual_seed(5),
-                        dtype=torch.int64).to(torch.int32).view(torch.float32)
+    raw = (
+        torch.randint(-(2**31), 2**31 - 1, (1024, 256), generator=torch.Generator().manual_seed(5), dtype=torch.int64)
+        .to(torch.int32)
+        .view(torch.float32)
+    )
     for x in [*_round_trip_blocks(), _edge_blocks(), raw]:
         _assert_fake_quant_is_the_round_trip(x.to(dtype))
 
@@ -182,7 +209,7 @@ def test_special_values_defined_behaviour():
     x[1, 2] = 6.0
     x[2, 0], x[2, 1], x[2, 2] = math.inf, -math.inf, 1e38
     x[3, 0], x[3, 1] = math.nan, 1.0
-    x[4, 0] = 2.0 ** -125  # a tiny block: scale 2**-127 (byte 0), element 4
+    x[4, 0] = 2.0**-125  # a tiny block: scale 2**-127 (byte 0), element 4
     p, s = mxfp4.quantize(x)
     codes = mxfp4.unpack_codes(p)
     assert s[:, 0].tolist() == [mxfp4.E8M0_ZERO_BLOCK, 127, 254, mxfp4.E8M0_NAN, 0]
@@ -195,7 +222,7 @@ def test_special_values_defined_behaviour():
     assert d[1, :2].signbit().logical_not().all()
     assert d[2, 0].item() == math.inf and d[2, 1].item() == -math.inf
     assert d[3].isnan().all()
-    assert d[4, 0].item() == 2.0 ** -125
+    assert d[4, 0].item() == 2.0**-125
     fq = mxfp4.fake_quant(x)
     assert torch.equal(fq.isnan(), d.isnan())
     assert torch.equal(torch.nan_to_num(fq), torch.nan_to_num(d))
@@ -204,6 +231,7 @@ def test_special_values_defined_behaviour():
 # ----------------------------------------------------------------------------------------------------------
 # bit-exact against amd-quark 0.13
 # ----------------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def quark():
@@ -226,9 +254,15 @@ def quark():
         return out["w.weight"], out["w.weight_scale"]
 
     def dequant(packed, scales):
-        rq = StaticScaledRealQuantizer(weight_spec, None, reorder=False, real_quantized=True,
-                                       float_dtype=torch.float32, device=torch.device("cpu"),
-                                       scale_shape=tuple(scales.shape))
+        rq = StaticScaledRealQuantizer(
+            weight_spec,
+            None,
+            reorder=False,
+            real_quantized=True,
+            float_dtype=torch.float32,
+            device=torch.device("cpu"),
+            scale_shape=tuple(scales.shape),
+        )
         rq.scale = scales.clone()  # Quark loads the exported uint8 scale bytes into this buffer
         return rq(packed)
 
@@ -238,8 +272,7 @@ def quark():
     def act_fake_quant(x):
         return FakeQuantizeBase.get_fake_quantize(input_spec)(x)
 
-    return types.SimpleNamespace(export=export, dequant=dequant, fake_quant=fake_quant,
-                                 act_fake_quant=act_fake_quant)
+    return types.SimpleNamespace(export=export, dequant=dequant, fake_quant=fake_quant, act_fake_quant=act_fake_quant)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -275,7 +308,7 @@ def _random_sets() -> dict[str, torch.Tensor]:
     mag = torch.exp2(torch.randint(-140, 121, (128, 32, 1), generator=g).float())
     sets["per_block_magnitudes"] = (torch.randn(128, 32, 32, generator=g) * mag).reshape(128, 1024)
     # raw float32 bit patterns: every finite value is equally likely per exponent, subnormals included
-    bits = torch.randint(-(2 ** 31), 2 ** 31 - 1, (128, 1024), generator=g, dtype=torch.int64).to(torch.int32)
+    bits = torch.randint(-(2**31), 2**31 - 1, (128, 1024), generator=g, dtype=torch.int64).to(torch.int32)
     raw = bits.view(torch.float32)
     sets["raw_float32_bits"] = torch.where(raw.isfinite(), raw, torch.zeros_like(raw))
     sets["bfloat16"] = (torch.randn(64, 1024, generator=g) * 0.05).to(torch.bfloat16)
@@ -312,11 +345,11 @@ def _edge_blocks() -> torch.Tensor:
     up, down = torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)
     for k in (-130, -126, -20, -1, 0, 1, 20, 100):
         # amax 6 * 2**k fixes the scale at 2**k; every midpoint, just above and below, both signs
-        row = torch.cat([torch.tensor([6.0]), mids, up, down, -mids, -up[:3]]) * 2.0 ** k
+        row = torch.cat([torch.tensor([6.0]), mids, up, down, -mids, -up[:3]]) * 2.0**k
         blocks.append(row)
     for k in list(range(-135, -118)) + list(range(-8, 9)) + list(range(118, 128)):
         for a in (1.0, 1.5, 1.75, 1.9999):
-            amax = torch.tensor(a * 2.0 ** k)
+            amax = torch.tensor(a * 2.0**k)
             for v in (amax, torch.nextafter(amax, amax * 2), torch.nextafter(amax, amax * 0)):
                 if not v.isfinite() or v == 0:
                     continue
@@ -324,7 +357,7 @@ def _edge_blocks() -> torch.Tensor:
                 blocks.append(torch.cat([v.reshape(1), frac * v]))
     # saturation: amax significand just under 1.75 -> amax / scale up to 6.99 -> 6
     for a in (1.74, 1.7499, 1.6, 1.55):
-        row = torch.linspace(-a, a, 32) * 2.0 ** 3
+        row = torch.linspace(-a, a, 32) * 2.0**3
         blocks.append(row)
     # negative zero and negatives rounding to +0 next to a large value
     blocks.append(torch.tensor([-0.0, -0.01, 0.01, -0.2, 6.0] + [-0.0] * 27))
@@ -352,7 +385,7 @@ def test_edge_cases_bit_exact_against_quark(quark):
     assert {0, 1, 252, 254} <= set(s[:, 0].tolist())
     # and both sides of the exponent boundary: amax 1.75 * 2**k is one binade above its float predecessor
     for k in (-124, -3, 0, 7, 126):
-        at = torch.tensor(1.75 * 2.0 ** k)
+        at = torch.tensor(1.75 * 2.0**k)
         pair = torch.stack([at, torch.nextafter(at, torch.tensor(0.0))])
         assert mxfp4.e8m0_scale_even(pair).tolist() == [127 + k - 1, 127 + k - 2]
 

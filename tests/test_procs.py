@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 import sys
 
+import procs
 import psutil
 import pytest
-import procs
 
 # a command that hangs, with one child in its session and one in a session of its own (as ManagedServer starts a
 # server); it says so before hanging
@@ -50,6 +50,7 @@ def test_a_hang_fails_with_its_output_and_processes_and_kills_all_it_started():
 
 
 def test_a_finished_command_is_returned_whole():
-    r = procs.run([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"],
-                  timeout=60)
+    r = procs.run(
+        [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"], timeout=60
+    )
     assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")

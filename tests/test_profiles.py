@@ -58,9 +58,22 @@ def test_profile_args_accepted_by_vllm_parser(vllm_parser, name, tmp_path):
 
 
 def test_overrides_reach_vllm_exactly(vllm_parser, tmp_path):
-    cmd = build_command(get_profile("mi355x-pro-tp8"), str(tmp_path),
-                        ["--max-num-seqs", "64", "-tp", "4", "--speculative-config.num_speculative_tokens", "3",
-                         "--no-trust-remote-code", "--gpu-memory-utilization", "0.9"], environ={})
+    cmd = build_command(
+        get_profile("mi355x-pro-tp8"),
+        str(tmp_path),
+        [
+            "--max-num-seqs",
+            "64",
+            "-tp",
+            "4",
+            "--speculative-config.num_speculative_tokens",
+            "3",
+            "--no-trust-remote-code",
+            "--gpu-memory-utilization",
+            "0.9",
+        ],
+        environ={},
+    )
     ns, ea = _engine_args(vllm_parser, cmd)
     assert ea.max_num_seqs == 64 and ea.tensor_parallel_size == 4
     assert ea.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
@@ -135,7 +148,7 @@ def _printed_command(out: str) -> str:
     lines = out.splitlines()
     i = next(k for k, x in enumerate(lines) if not x.startswith("#"))
     j = next(k for k in range(i, len(lines)) if not lines[k].endswith("\\"))
-    return "\n".join(lines[i:j + 1])
+    return "\n".join(lines[i : j + 1])
 
 
 def test_printed_pro_tp8_command_passes_vllms_parser(vllm_parser, monkeypatch, capsys, tmp_path):
@@ -159,8 +172,11 @@ def test_printed_pro_tp8_command_passes_vllms_parser(vllm_parser, monkeypatch, c
     assert line == PRO_TP8_COMMAND.format(python=sys.executable)
     words = shlex.split(line.replace("\\\n", " "))  # a backslash-newline continues the line, as in a shell
     env = dict(w.split("=", 1) for w in words[:3])
-    assert env == {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MOE": "1",
-                   "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}
+    assert env == {
+        "VLLM_ROCM_USE_AITER": "1",
+        "VLLM_ROCM_USE_AITER_MOE": "1",
+        "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1",
+    }
     assert set(env) <= set(vllm.envs.environment_variables)
     assert words[3:6] == [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
     ns = vllm_parser.parse_args(words[6:])

@@ -53,9 +53,11 @@ def _argmax_of_target(llm, prompt, generated):
     from vllm import SamplingParams
 
     seq = prompt + generated[:-1]
-    out = llm.generate([{"prompt_token_ids": seq}],
-                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [{"prompt_token_ids": seq}],
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False),
+        use_tqdm=False,
+    )[0]
     picks = []
     for pos in range(len(prompt), len(seq)):
         lp = out.prompt_logprobs[pos]
@@ -70,14 +72,24 @@ def test_published_layout_serves_with_the_mtp_draft(ckpts, layout):
 
     from vllm_dsv4_mtp.serve.metrics import spec_decode_from_llm
 
-    with vllm_engine(ckpts[layout], dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4,
-                     skip_tokenizer_init=True, seed=0, disable_log_stats=False,
-                     speculative_config={"method": "mtp", "num_speculative_tokens": 1}) as llm:
+    with vllm_engine(
+        ckpts[layout],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        skip_tokenizer_init=True,
+        seed=0,
+        disable_log_stats=False,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    ) as llm:
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 40)]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False),
-                            use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False),
+            use_tqdm=False,
+        )
         m = spec_decode_from_llm(llm.get_metrics())
         assert m is not None and m.num_drafts > 0, "the MTP draft never drafted"
         for p, o in zip(prompts, outs):

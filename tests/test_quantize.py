@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_dsv4_mtp.quant.quantize import QuantizeError, quantize_checkpoint
 from vllm_dsv4_mtp.formats import fp8, mxfp4
 from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
 from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig
+from vllm_dsv4_mtp.quant.quantize import QuantizeError, quantize_checkpoint
 from vllm_dsv4_mtp.tools.inspect_checkpoint import inspect_checkpoint
 from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
@@ -49,8 +49,9 @@ def bf16_out(bf16_src, work):
 
 @pytest.fixture(scope="module")
 def official_src(work):
-    return build_tiny_checkpoint(work / "official", seed=4, experts="fp4-official", linears="fp8",
-                                 max_shard_bytes=2**20)
+    return build_tiny_checkpoint(
+        work / "official", seed=4, experts="fp4-official", linears="fp8", max_shard_bytes=2**20
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +69,11 @@ def quark():
     from quark.torch.kernel.hw_emulation.hw_emulation_interface import fake_quantize_mx
     from quark.torch.quantization.file2file_quantization import _build_exclude_aware_quant_config
 
-    return types.SimpleNamespace(LLMTemplate=LLMTemplate, fake_quantize_mx=fake_quantize_mx,
-                                 build_exclude_aware_quant_config=_build_exclude_aware_quant_config)
+    return types.SimpleNamespace(
+        LLMTemplate=LLMTemplate,
+        fake_quantize_mx=fake_quantize_mx,
+        build_exclude_aware_quant_config=_build_exclude_aware_quant_config,
+    )
 
 
 def _quark_config(path) -> QuarkQuantConfig:
@@ -79,6 +83,7 @@ def _quark_config(path) -> QuarkQuantConfig:
 # ----------------------------------------------------------------------------------------------------------
 # BF16 source
 # ----------------------------------------------------------------------------------------------------------
+
 
 def test_bf16_source_layout_and_inspect(bf16_src, bf16_out):
     src, out = CheckpointReader(bf16_src), CheckpointReader(bf16_out)
@@ -115,8 +120,11 @@ def test_mtp_is_bf16_and_excluded(bf16_src, bf16_out):
     q = _quark_config(bf16_out)
     mtp = [n for n in out if n.startswith("mtp.")]
     assert mtp and all(out.info(n).dtype in ("BF16", "F32", "I64") for n in mtp)
-    mtp_linears = {n[: -len(".weight")] for n in mtp if n.endswith(".weight") and len(out.info(n).shape) == 2
-                   and not n[: -len(".weight")].endswith("norm")}
+    mtp_linears = {
+        n[: -len(".weight")]
+        for n in mtp
+        if n.endswith(".weight") and len(out.info(n).shape) == 2 and not n[: -len(".weight")].endswith("norm")
+    }
     assert {"mtp.0.e_proj", "mtp.0.h_proj", "mtp.0.ffn.experts.0.w1", "mtp.0.attn.wq_a"} <= mtp_linears
     assert mtp_linears <= set(q.exclude)
     for m in mtp_linears:
@@ -146,7 +154,8 @@ def test_experts_decode_to_quark_fake_quant(quark, bf16_src, bf16_out):
 
 @pytest.mark.quark
 def test_identical_to_amd_quarks_own_file_to_file_flow(quark, bf16_src, bf16_out, work):
-    """vllm_dsv4_mtp.quant.quark_flow runs Quark's direct_quantize_checkpoint (CPU works for BF16 sources): same tensors, same
+    """vllm_dsv4_mtp.quant.quark_flow runs Quark's direct_quantize_checkpoint (CPU works for BF16 sources): same
+    tensors, same
     bytes, same quantization_config, same everything else in config.json."""
     from vllm_dsv4_mtp.quant.quark_flow import run_quark_flow
 
@@ -171,8 +180,9 @@ def test_shared_experts_mxfp4_option(bf16_src, work):
         m = n[: -len(".weight")]
         assert out.info(n).dtype == "U8" and out.info(m + ".weight_scale").dtype == "U8"
         assert q.spec_for(m) == "mxfp4" and m not in q.exclude
-        assert torch.equal(mxfp4.dequantize(out.get(n), out.get(m + ".weight_scale")),
-                           mxfp4.fake_quant(src.get(n).float()))
+        assert torch.equal(
+            mxfp4.dequantize(out.get(n), out.get(m + ".weight_scale")), mxfp4.fake_quant(src.get(n).float())
+        )
     # the MTP layer's shared expert stays BF16
     assert out.info("mtp.0.ffn.shared_experts.w1.weight").dtype == "BF16"
     assert "mtp.0.ffn.shared_experts.w1" in q.exclude
@@ -182,6 +192,7 @@ def test_shared_experts_mxfp4_option(bf16_src, work):
 # ----------------------------------------------------------------------------------------------------------
 # official FP8 / FP4 source
 # ----------------------------------------------------------------------------------------------------------
+
 
 def test_official_fp4_experts_reencoded_losslessly(official_src, official_out):
     src, out = CheckpointReader(official_src), CheckpointReader(official_out)
@@ -193,8 +204,10 @@ def test_official_fp4_experts_reencoded_losslessly(official_src, official_out):
         assert out.info(m + ".weight_scale").dtype == "U8"
         assert out.raw_bytes(m + ".weight_scale") == src.raw_bytes(m + ".scale"), n
         assert m + ".scale" not in out
-        assert torch.equal(mxfp4.dequantize(out.get(n), out.get(m + ".weight_scale")),
-                           mxfp4.dequantize(src.get(n), src.get(m + ".scale")))
+        assert torch.equal(
+            mxfp4.dequantize(out.get(n), out.get(m + ".weight_scale")),
+            mxfp4.dequantize(src.get(n), src.get(m + ".scale")),
+        )
     report = inspect_checkpoint(official_out)
     assert report.ok, report.messages()
     assert report.mtp_precision == "bf16"
@@ -264,6 +277,7 @@ def test_quark_flow_refuses_fp8_source_on_cpu(official_src, work):
 # safety: refusal, atomicity, bad input
 # ----------------------------------------------------------------------------------------------------------
 
+
 def _leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name)
 
@@ -330,8 +344,11 @@ def test_bad_sources_are_clear_errors(bf16_src, official_src, bf16_out, tmp_path
     save_file(tensors, f)
     with pytest.raises(QuantizeError, match=r"layers\.2\.ffn\.experts\.1\.w2"):
         quantize_checkpoint(broken, tmp_path / "c", progress=False)
-    with pytest.raises(QuantizeError, match=r"layers\.2\.ffn\.experts\.1\.w2\.weight: packed FP4 weight I8 "
-                                            r"\[128, 32\] needs an E8M0 scale \[128, 2\].*is F8_E8M0 \[128, 1\]"):
+    with pytest.raises(
+        QuantizeError,
+        match=r"layers\.2\.ffn\.experts\.1\.w2\.weight: packed FP4 weight I8 "
+        r"\[128, 32\] needs an E8M0 scale \[128, 2\].*is F8_E8M0 \[128, 1\]",
+    ):
         quantize_checkpoint(broken, tmp_path / "d", progress=False, check=False)
     assert _leftovers(tmp_path) == [] and not (tmp_path / "d").exists()
 
@@ -360,17 +377,27 @@ def test_peak_memory_is_bounded_by_a_shard(tmp_path):
     far below the checkpoint (numbers for quant/README.md; a memory bound, not a timing)."""
     from vllm_dsv4_mtp.tools.tiny import tiny_config
 
-    src = build_tiny_checkpoint(tmp_path / "src", tiny_config(hidden_size=512, n_routed_experts=32,
-                                                              moe_intermediate_size=512),
-                                max_shard_bytes=16 * 2**20, tokenizer=False)
+    src = build_tiny_checkpoint(
+        tmp_path / "src",
+        tiny_config(hidden_size=512, n_routed_experts=32, moe_intermediate_size=512),
+        max_shard_bytes=16 * 2**20,
+        tokenizer=False,
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-c", _MEASURE, str(src), str(tmp_path / "dst")], env=env,
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(src), str(tmp_path / "dst")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     m = json.loads(res.stdout.strip().splitlines()[-1])
     shard = max(p.stat().st_size for p in src.glob("*.safetensors"))
     delta = m["peak"] - m["base"]
-    print(f"\npeak RSS {m['peak'] / 2**20:.0f} MiB, {delta / 2**20:.0f} MiB above the imports; checkpoint "
-          f"{m['bytes_in'] / 2**20:.0f} MiB in {m['shards_in']} shards of <= {shard / 2**20:.0f} MiB")
+    print(
+        f"\npeak RSS {m['peak'] / 2**20:.0f} MiB, {delta / 2**20:.0f} MiB above the imports; checkpoint "
+        f"{m['bytes_in'] / 2**20:.0f} MiB in {m['shards_in']} shards of <= {shard / 2**20:.0f} MiB"
+    )
     assert m["shards_in"] >= 10
     assert delta < m["bytes_in"] / 2
     assert delta < 4 * shard + 64 * 2**20

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader, validate_shard_headers
 from vllm_dsv4_mtp.quant.publish import CRASH_ENV
 from vllm_dsv4_mtp.quant.quantize import quantize_checkpoint
-from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader, validate_shard_headers
 from vllm_dsv4_mtp.tools.inspect_checkpoint import inspect_checkpoint
 from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
@@ -54,8 +54,15 @@ def refs(tmp_path_factory):
     return {"src": src, "old_dir": w / "old", "old": old, "new": new, "n_tensors": len(CheckpointReader(src))}
 
 
-def _run(refs, parent: Path, *, crash_at: str | None = None, no_exchange: bool = False, kill_after: float = None,
-         signal_at: tuple[str, int] | None = None) -> tuple[int, str]:
+def _run(
+    refs,
+    parent: Path,
+    *,
+    crash_at: str | None = None,
+    no_exchange: bool = False,
+    kill_after: float = None,
+    signal_at: tuple[str, int] | None = None,
+) -> tuple[int, str]:
     """One ``dsv4-mtp quantize --force SRC parent/dst`` in a subprocess; returns its exit status and stderr.
 
     ``signal_at=(point, signum)``: the process sends itself that signal at that crash point (a test-side patch,
@@ -68,12 +75,23 @@ def _run(refs, parent: Path, *, crash_at: str | None = None, no_exchange: bool =
     if no_exchange:  # a filesystem without RENAME_EXCHANGE, forced by the test, not by a switch in the tool
         prelude += "import vllm_dsv4_mtp.quant.publish as p; p._exchange = lambda a, b: False\n"
     if signal_at:
-        prelude += (f"import os, vllm_dsv4_mtp.quant.publish as p, vllm_dsv4_mtp.quant.quantize as q\n"
-                    f"def at(name):\n    if name == {signal_at[0]!r}: os.kill(os.getpid(), {int(signal_at[1])})\n"
-                    f"p.crash_point = q.crash_point = at\n")
+        prelude += (
+            f"import os, vllm_dsv4_mtp.quant.publish as p, vllm_dsv4_mtp.quant.quantize as q\n"
+            f"def at(name):\n    if name == {signal_at[0]!r}: os.kill(os.getpid(), {int(signal_at[1])})\n"
+            f"p.crash_point = q.crash_point = at\n"
+        )
     code = prelude + "import sys; from vllm_dsv4_mtp.cli import main; sys.exit(main(sys.argv[1:]))"
-    argv = [sys.executable, "-c", code, "quantize", str(refs["src"]), str(parent / "dst"), "--force",
-            "--no-progress", *NEW_ARGS]
+    argv = [
+        sys.executable,
+        "-c",
+        code,
+        "quantize",
+        str(refs["src"]),
+        str(parent / "dst"),
+        "--force",
+        "--no-progress",
+        *NEW_ARGS,
+    ]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if kill_after is not None:
         time.sleep(kill_after)
@@ -114,9 +132,18 @@ def _fresh(tmp_path: Path, refs) -> Path:
 
 
 # (crash point, what DST must be right after the kill, whether the run's hidden work directory is left behind)
-POINTS = [("swept", "old", False), ("tensor:0", "old", True), ("tensor:MID", "old", True),
-          ("tensor:LAST", "old", True), ("written", "old", True), ("verified", "old", True), ("synced", "old", True),
-          ("exchanged", "new", True), ("removing-old", "new", True), ("done", "new", False)]
+POINTS = [
+    ("swept", "old", False),
+    ("tensor:0", "old", True),
+    ("tensor:MID", "old", True),
+    ("tensor:LAST", "old", True),
+    ("written", "old", True),
+    ("verified", "old", True),
+    ("synced", "old", True),
+    ("exchanged", "new", True),
+    ("removing-old", "new", True),
+    ("done", "new", False),
+]
 
 
 @pytest.mark.parametrize("point,expected,leaves", POINTS)
@@ -183,13 +210,20 @@ def test_leftovers_of_the_old_two_rename_scheme_are_recovered(tmp_path, refs, ca
         f"dsv4-mtp quantize: {parent / 'dst'}: restored the previous output from .dst.old-4194301, left by a run "
         f"(pid 4194301) interrupted while replacing it",
         f"dsv4-mtp quantize: {parent / '.dst.partial-4194301'}: removed ({mib:.1f} MiB), left by an interrupted run "
-        f"(pid 4194301)"]
+        f"(pid 4194301)",
+    ]
 
 
-@pytest.mark.parametrize("sig,point,expected", [
-    (signal.SIGTERM, "tensor:MID", "old"), (signal.SIGINT, "tensor:MID", "old"), (signal.SIGHUP, "written", "old"),
-    (signal.SIGTERM, "exchanged", "new"), (signal.SIGTERM, "removing-old", "new"),
-])
+@pytest.mark.parametrize(
+    "sig,point,expected",
+    [
+        (signal.SIGTERM, "tensor:MID", "old"),
+        (signal.SIGINT, "tensor:MID", "old"),
+        (signal.SIGHUP, "written", "old"),
+        (signal.SIGTERM, "exchanged", "new"),
+        (signal.SIGTERM, "removing-old", "new"),
+    ],
+)
 def test_sigterm_is_handled_like_sigint(tmp_path, refs, sig, point, expected):
     """SIGTERM / SIGHUP clean up like Ctrl-C: no leftover, DST as it was, exit status 128 + signal, one line.
     A signal during publishing waits until DST is the complete new output, and the message says so."""
@@ -199,6 +233,9 @@ def test_sigterm_is_handled_like_sigint(tmp_path, refs, sig, point, expected):
     assert _assert_complete(parent / "dst", refs) == expected
     assert _leftovers(parent) == []
     name = signal.Signals(sig).name
-    state = (f"the partial output was removed, {parent / 'dst'} is unchanged" if expected == "old"
-             else f"the conversion had finished: {parent / 'dst'} is the complete new output")
+    state = (
+        f"the partial output was removed, {parent / 'dst'} is unchanged"
+        if expected == "old"
+        else f"the conversion had finished: {parent / 'dst'} is the complete new output"
+    )
     assert err.strip().splitlines() == [f"dsv4-mtp quantize: interrupted by {name}: {state}"]

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_dsv4_mtp.quant.quantize import _output_bytes
 from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader, CheckpointWriter
+from vllm_dsv4_mtp.quant.quantize import _output_bytes
 from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -56,10 +56,12 @@ def _edit(src: Path, dst: Path, name: str, edit) -> Path:
 
 def _set(index_values, dtype=torch.uint8):
     """An edit of a tensor's raw bytes: element ``i`` (of the bytes read as ``dtype``) set to ``x``."""
+
     def edit(raw):
         v = raw.view(dtype)
         for i, x in index_values:
             v[i] = x
+
     return edit
 
 
@@ -73,8 +75,12 @@ def _cli(capsys, *argv) -> tuple[int, list[str]]:
 NAN, INF = float("nan"), float("inf")
 # (source, tensor, edit of its stored bytes, what the message says was found)
 NONFINITE = [
-    ("bf16", "layers.1.ffn.experts.2.w3.weight", _set([(0, NAN), (7, NAN), (9, INF)], torch.bfloat16),
-     "2 NaN, 1 +Inf of 8192 values"),  # a routed expert: found from its E8M0 NaN/Inf scales, then counted
+    (
+        "bf16",
+        "layers.1.ffn.experts.2.w3.weight",
+        _set([(0, NAN), (7, NAN), (9, INF)], torch.bfloat16),
+        "2 NaN, 1 +Inf of 8192 values",
+    ),  # a routed expert: found from its E8M0 NaN/Inf scales, then counted
     ("bf16", "layers.0.attn.wq_a.weight", _set([(5, -INF)], torch.bfloat16), "1 -Inf of 8192 values"),  # copied as is
     ("bf16", "hc_head_fn", _set([(3, NAN)], torch.float32), "1 NaN of 2048 values"),  # an F32 tensor
     ("bf16", "mtp.0.e_proj.weight", _set([(1, INF)], torch.bfloat16), "1 +Inf of 16384 values"),  # the MTP draft
@@ -91,9 +97,11 @@ def test_nonfinite_source_values_are_refused_naming_the_tensor(capsys, request, 
     file = CheckpointReader(src).info(name).file
     rc, err = _cli(capsys, src, tmp_path / "dst")
     assert rc == 2
-    assert err == [f"dsv4-mtp quantize: error: {file}: {name}: non-finite values in the source ({found}): a broken "
-                   f"or corrupted weight cannot be quantized (`dsv4-mtp inspect --scan-values {src}` lists every "
-                   f"such tensor)"]
+    assert err == [
+        f"dsv4-mtp quantize: error: {file}: {name}: non-finite values in the source ({found}): a broken "
+        f"or corrupted weight cannot be quantized (`dsv4-mtp inspect --scan-values {src}` lists every "
+        f"such tensor)"
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no DST, no hidden leftover
 
 
@@ -101,15 +109,22 @@ def _quantize_subprocess(src: Path, dst: Path, *, wrap: list[str] | None = None,
     code = "import sys; from vllm_dsv4_mtp.cli import main; sys.exit(main(sys.argv[1:]))"
     argv = [sys.executable, "-c", code, "quantize", str(src), str(dst), "--no-progress"]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.run((wrap or []) + argv, env=env, capture_output=True, text=True, preexec_fn=preexec,
-                          timeout=300)
+    return subprocess.run((wrap or []) + argv, env=env, capture_output=True, text=True, preexec_fn=preexec, timeout=300)
 
 
 def _in_tmpfs(mnt: Path, size: int) -> list[str]:
     """A command prefix that runs the command with a tmpfs of ``size`` bytes mounted on ``mnt`` (a private mount
     in a user namespace: no privileges needed)."""
-    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-            f'mount -t tmpfs -o size={size} tmpfs "{mnt}" && exec "$@"', "sh"]
+    return [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--mount",
+        "sh",
+        "-c",
+        f'mount -t tmpfs -o size={size} tmpfs "{mnt}" && exec "$@"',
+        "sh",
+    ]
 
 
 def _tmpfs_available(tmp_path: Path) -> bool:
@@ -123,8 +138,10 @@ def test_full_disk_is_one_line_and_leaves_nothing(bf16, tmp_path):
     """A real ENOSPC: a tmpfs with room for the up-front estimate but not for the shard headers and files that
     come on top of it, so the disk fills in the middle of writing."""
     # a real full disk needs a private tmpfs (util-linux's unshare, no privileges); missing is a failure
-    assert _tmpfs_available(tmp_path), "this machine does not allow a private tmpfs mount in a user namespace " \
-                                       "(unshare --user --map-root-user --mount): the full-disk path is untested"
+    assert _tmpfs_available(tmp_path), (
+        "this machine does not allow a private tmpfs mount in a user namespace "
+        "(unshare --user --map-root-user --mount): the full-disk path is untested"
+    )
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     need = _output_bytes(CheckpointReader(bf16), "keep")
@@ -132,20 +149,25 @@ def test_full_disk_is_one_line_and_leaves_nothing(bf16, tmp_path):
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr
-    assert re.fullmatch(rf"dsv4-mtp quantize: error: {re.escape(str(mnt))}/\.dst\.partial-\d+/\.shard-00000\."
-                        rf"safetensors\.tmp: No space left on device \(the partial output was removed; nothing was "
-                        rf"written to {re.escape(str(mnt / 'dst'))}; free space on the filesystem of "
-                        rf"{re.escape(str(mnt))} or choose another DST\)", lines[0]), lines[0]
+    assert re.fullmatch(
+        rf"dsv4-mtp quantize: error: {re.escape(str(mnt))}/\.dst\.partial-\d+/\.shard-00000\."
+        rf"safetensors\.tmp: No space left on device \(the partial output was removed; nothing was "
+        rf"written to {re.escape(str(mnt / 'dst'))}; free space on the filesystem of "
+        rf"{re.escape(str(mnt))} or choose another DST\)",
+        lines[0],
+    ), lines[0]
     # too small even for the estimate: refused before writing anything
     res = _quantize_subprocess(bf16, mnt / "dst", wrap=_in_tmpfs(mnt, 2**20))
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         f"dsv4-mtp quantize: error: {mnt}: not enough free space for the output: it needs about "
-        f"{need / 2**30:.2f} GiB, 0.00 GiB are free"]
+        f"{need / 2**30:.2f} GiB, 0.00 GiB are free"
+    ]
 
 
 def test_file_size_limit_is_one_line_and_leaves_nothing(bf16, tmp_path):
     """A real EFBIG (RLIMIT_FSIZE, SIGXFSZ ignored): any OS error while writing takes the same one-line path."""
+
     def limit():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
@@ -155,8 +177,9 @@ def test_file_size_limit_is_one_line_and_leaves_nothing(bf16, tmp_path):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr
     assert lines[0].startswith(f"dsv4-mtp quantize: error: {tmp_path}/.dst.partial-")
-    assert lines[0].endswith(f": File too large (the partial output was removed; nothing was written to "
-                             f"{tmp_path / 'dst'})")
+    assert lines[0].endswith(
+        f": File too large (the partial output was removed; nothing was written to {tmp_path / 'dst'})"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -171,8 +194,10 @@ def test_a_second_run_on_the_same_dst_is_refused(capsys, bf16, tmp_path):
     finally:
         os.close(fd)
     assert rc == 2
-    assert err == [f"dsv4-mtp quantize: error: {tmp_path / 'dst'}: another dsv4-mtp quantize (pid 31337) is writing "
-                   f"it now ({live} is locked); wait for it to finish or stop it"]
+    assert err == [
+        f"dsv4-mtp quantize: error: {tmp_path / 'dst'}: another dsv4-mtp quantize (pid 31337) is writing "
+        f"it now ({live} is locked); wait for it to finish or stop it"
+    ]
     assert live.is_dir() and not (tmp_path / "dst").exists()
     # once that run is gone (its lock with it), the directory is a leftover: removed and reported
     rc, err = _cli(capsys, bf16, tmp_path / "dst")
@@ -200,8 +225,10 @@ def test_truncated_source_shard(capsys, bf16, tmp_path):
     rc, err = _cli(capsys, src, tmp_path / "dst")
     assert rc == 2 and len(err) == 1
     assert err[0].startswith(f"dsv4-mtp quantize: error: {f}: truncated safetensors file: its header describes ")
-    assert err[0].endswith(" data bytes (through tensor 'norm.weight') but the file holds only "
-                           f"{CheckpointReader(bf16).total_bytes - 1000}")
+    assert err[0].endswith(
+        " data bytes (through tensor 'norm.weight') but the file holds only "
+        f"{CheckpointReader(bf16).total_bytes - 1000}"
+    )
 
 
 def test_missing_source_shard(capsys, bf16, tmp_path):
@@ -209,16 +236,24 @@ def test_missing_source_shard(capsys, bf16, tmp_path):
     (src / "model-00003-of-00005.safetensors").unlink()
     rc, err = _cli(capsys, src, tmp_path / "dst")
     assert rc == 2 and len(err) == 1
-    assert err[0].startswith(f"dsv4-mtp quantize: error: {src / 'model.safetensors.index.json'}: shard "
-                             f"'model-00003-of-00005.safetensors' (listed for ")
+    assert err[0].startswith(
+        f"dsv4-mtp quantize: error: {src / 'model.safetensors.index.json'}: shard "
+        f"'model-00003-of-00005.safetensors' (listed for "
+    )
     assert err[0].endswith(") does not exist")
 
 
-@pytest.mark.parametrize("edit,message", [
-    ({"hidden_size": -128}, "field 'hidden_size' must be > 0, got -128"),
-    ({"compress_ratios": [0, 4, 128, 4]}, "field 'compress_ratios' has 4 entries, expected num_hidden_layers + "
-     "num_nextn_predict_layers = 4 + 1 = 5 (one per main layer, then one per MTP layer)"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"hidden_size": -128}, "field 'hidden_size' must be > 0, got -128"),
+        (
+            {"compress_ratios": [0, 4, 128, 4]},
+            "field 'compress_ratios' has 4 entries, expected num_hidden_layers + "
+            "num_nextn_predict_layers = 4 + 1 = 5 (one per main layer, then one per MTP layer)",
+        ),
+    ],
+)
 def test_malformed_config_field(capsys, bf16, tmp_path, edit, message):
     cfg = dict(CheckpointReader(bf16).config, **edit)
     src = _copy_without(bf16, tmp_path / "src", config=cfg)
@@ -230,32 +265,48 @@ def test_missing_config(capsys, bf16, tmp_path):
     src = _copy_without(bf16, tmp_path / "src")
     (src / "config.json").unlink()
     rc, err = _cli(capsys, src, tmp_path / "dst")
-    assert rc == 2 and err == [f"dsv4-mtp quantize: error: {src / 'config.json'}: missing (needed to validate and "
-                               f"to write the Quark config)"]
+    assert rc == 2 and err == [
+        f"dsv4-mtp quantize: error: {src / 'config.json'}: missing (needed to validate and to write the Quark config)"
+    ]
 
 
-@pytest.mark.parametrize("drop,problem", [
-    ("layers.1.attn.wq_a.weight", "layers.1.attn.wq_a.weight: missing (expected BF16 [64, 128], or a quantized form)"),
-    ("layers.0.attn.wq_a.scale", "layers.0.attn.wq_a.weight_scale: missing: layers.0.attn.wq_a.weight is stored "
-     "fp8-block and needs its scale (neither layers.0.attn.wq_a.weight_scale nor layers.0.attn.wq_a.scale is stored)"),
-])
+@pytest.mark.parametrize(
+    "drop,problem",
+    [
+        (
+            "layers.1.attn.wq_a.weight",
+            "layers.1.attn.wq_a.weight: missing (expected BF16 [64, 128], or a quantized form)",
+        ),
+        (
+            "layers.0.attn.wq_a.scale",
+            "layers.0.attn.wq_a.weight_scale: missing: layers.0.attn.wq_a.weight is stored "
+            "fp8-block and needs its scale (neither layers.0.attn.wq_a.weight_scale nor layers.0.attn.wq_a.scale "
+            "is stored)",
+        ),
+    ],
+)
 def test_missing_tensor_or_scale_is_named_by_the_preflight(capsys, request, tmp_path, drop, problem):
     base = request.getfixturevalue("official" if drop.endswith(".scale") else "bf16")
     src = _copy_without(base, tmp_path / "src", drop=lambda n: n == drop)
     rc, err = _cli(capsys, src, tmp_path / "dst")
     assert rc == 2
-    assert err == [f"dsv4-mtp quantize: error: {src}: the source checkpoint has 1 problem(s) (dsv4-mtp inspect "
-                   f"{src}):", f"  {problem}"]
+    assert err == [
+        f"dsv4-mtp quantize: error: {src}: the source checkpoint has 1 problem(s) (dsv4-mtp inspect {src}):",
+        f"  {problem}",
+    ]
 
 
 def test_stripped_mtp_needs_allow_missing_mtp(capsys, bf16, tmp_path):
     src = _copy_without(bf16, tmp_path / "src", drop=lambda n: n.startswith("mtp."))
     rc, err = _cli(capsys, src, tmp_path / "dst")
-    absent = ("mtp.0: MTP layer absent: config.json declares num_nextn_predict_layers = 1 but no mtp.0.* tensor is "
-              "stored")
+    absent = (
+        "mtp.0: MTP layer absent: config.json declares num_nextn_predict_layers = 1 but no mtp.0.* tensor is stored"
+    )
     assert rc == 2
-    assert err == [f"dsv4-mtp quantize: error: {src}: the source checkpoint has 1 problem(s) (dsv4-mtp inspect "
-                   f"{src}):", f"  {absent}"]
+    assert err == [
+        f"dsv4-mtp quantize: error: {src}: the source checkpoint has 1 problem(s) (dsv4-mtp inspect {src}):",
+        f"  {absent}",
+    ]
     from vllm_dsv4_mtp.cli import main
 
     assert main(["quantize", str(src), str(tmp_path / "dst"), "--no-progress", "--allow-missing-mtp"]) == 0
@@ -269,5 +320,7 @@ def test_no_mtp_layer_declared_is_a_warning(capsys, tmp_path):
 
     src = build_tiny_checkpoint(tmp_path / "src", tiny_config(num_nextn_predict_layers=0), tokenizer=False)
     assert main(["quantize", str(src), str(tmp_path / "dst"), "--no-progress"]) == 0
-    assert (f"  warning: {src / 'config.json'}: num_nextn_predict_layers = 0: the checkpoint declares no MTP layer, "
-            f"so MTP speculative decoding is unavailable") in capsys.readouterr().out.splitlines()
+    assert (
+        f"  warning: {src / 'config.json'}: num_nextn_predict_layers = 0: the checkpoint declares no MTP layer, "
+        f"so MTP speculative decoding is unavailable"
+    ) in capsys.readouterr().out.splitlines()

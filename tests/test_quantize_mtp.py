@@ -13,11 +13,11 @@ import re
 import pytest
 import torch
 
+from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.formats import fp8, mxfp4
 from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
 from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig
 from vllm_dsv4_mtp.quant.quantize import QuantizeError, quantize_checkpoint
-from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.testing.published_layouts import amd_quark_config, config_of
 from vllm_dsv4_mtp.tools.inspect_checkpoint import inspect_checkpoint
 from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
@@ -34,8 +34,14 @@ def built(tmp_path_factory):
     report = quantize_checkpoint(bf16, root / "bf16-amd", mtp="amd", progress=False)
     quantize_checkpoint(bf16, root / "bf16-default", progress=False)
     quantize_checkpoint(official, root / "official-amd", mtp="amd", progress=False)
-    return {"bf16": bf16, "official": official, "bf16-amd": root / "bf16-amd", "bf16-default": root / "bf16-default",
-            "official-amd": root / "official-amd", "report": report}
+    return {
+        "bf16": bf16,
+        "official": official,
+        "bf16-amd": root / "bf16-amd",
+        "bf16-default": root / "bf16-default",
+        "official-amd": root / "official-amd",
+        "report": report,
+    }
 
 
 def test_mtp_experts_mxfp4_shared_fp8_rest_as_source(built):
@@ -109,7 +115,22 @@ def test_cli_option(built, tmp_path):
     import sys
 
     out = tmp_path / "cli"
-    r = subprocess.run([sys.executable, "-m", "vllm_dsv4_mtp.cli", "quantize", str(built["bf16"]), str(out),
-                        "--mtp", "amd", "--no-progress", "--threads", "1"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_dsv4_mtp.cli",
+            "quantize",
+            str(built["bf16"]),
+            str(out),
+            "--mtp",
+            "amd",
+            "--no-progress",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert CheckpointReader(out).info("mtp.0.ffn.shared_experts.w2.weight").dtype == "F8_E4M3"

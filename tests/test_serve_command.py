@@ -77,9 +77,12 @@ def test_negated_boolean_replaces_the_bare_flag():
 
 
 def test_dotted_flag_edits_one_key_of_the_profiles_json():
-    cmd = build_command(get_profile("mi355x-pro-tp8"), None,
-                        ["--speculative-config.num_speculative_tokens", "3",
-                         "--compilation-config.cudagraph_mode=FULL_DECODE_ONLY"], environ={})
+    cmd = build_command(
+        get_profile("mi355x-pro-tp8"),
+        None,
+        ["--speculative-config.num_speculative_tokens", "3", "--compilation-config.cudagraph_mode=FULL_DECODE_ONLY"],
+        environ={},
+    )
     m = _argv_map(cmd)
     assert json.loads(m["--speculative-config"][0]) == {"method": "mtp", "num_speculative_tokens": 3}
     assert json.loads(m["--compilation-config"][0]) == {"mode": 3, "cudagraph_mode": "FULL_DECODE_ONLY"}
@@ -94,8 +97,12 @@ def test_dotted_flag_without_a_profile_json_is_passed_through():
 
 
 def test_whole_json_and_null_replace_the_profiles_value():
-    cmd = build_command(get_profile("cpu-tiny"), "/m",
-                        ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'], environ={})
+    cmd = build_command(
+        get_profile("cpu-tiny"),
+        "/m",
+        ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+        environ={},
+    )
     assert cmd.flag("speculative-config") == {"method": "mtp", "num_speculative_tokens": 1}
     cmd = build_command(get_profile("cpu-tiny"), "/m", ["--speculative-config", "null"], environ={})
     assert cmd.flag("speculative-config") is None
@@ -109,15 +116,24 @@ def test_new_flags_are_appended():
 
 def test_environment_precedence_profile_then_caller_then_env_option():
     prof = get_profile("mi355x-flash-tp4")
-    cmd = build_command(prof, None, [], env_overrides={"VLLM_ROCM_USE_AITER_MOE": "0", "EXTRA": "x"},
-                        environ={"VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "0", "PATH": "/bin"})
+    cmd = build_command(
+        prof,
+        None,
+        [],
+        env_overrides={"VLLM_ROCM_USE_AITER_MOE": "0", "EXTRA": "x"},
+        environ={"VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "0", "PATH": "/bin"},
+    )
     assert cmd.env["VLLM_ROCM_USE_AITER"] == "1"  # profile default
     assert cmd.env["VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS"] == "0"  # the caller's environment wins
     assert cmd.env["VLLM_ROCM_USE_AITER_MOE"] == "0"  # --env wins over both
     assert cmd.env["EXTRA"] == "x" and cmd.env["PATH"] == "/bin"
     origins = {k: o for k, _, o in cmd.env_report}
-    assert origins == {"VLLM_ROCM_USE_AITER": "profile", "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "environment",
-                       "VLLM_ROCM_USE_AITER_MOE": "--env", "EXTRA": "--env"}
+    assert origins == {
+        "VLLM_ROCM_USE_AITER": "profile",
+        "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "environment",
+        "VLLM_ROCM_USE_AITER_MOE": "--env",
+        "EXTRA": "--env",
+    }
     shell = cmd.shell()
     assert "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0 \\" in shell and "VLLM_ROCM_USE_AITER_MOE=0 \\" in shell
 
@@ -128,8 +144,22 @@ def test_model_given_twice_is_an_error():
 
 
 def test_serve_argv_split_own_options_model_and_vllm_flags():
-    o = cli.parse_serve_argv(["--profile", "mi355x-pro-tp8", "/ckpt", "--max-num-seqs", "64", "--enforce-eager",
-                              "--dry-run", "--env", "A=b=c", "--", "--profile", "x"])
+    o = cli.parse_serve_argv(
+        [
+            "--profile",
+            "mi355x-pro-tp8",
+            "/ckpt",
+            "--max-num-seqs",
+            "64",
+            "--enforce-eager",
+            "--dry-run",
+            "--env",
+            "A=b=c",
+            "--",
+            "--profile",
+            "x",
+        ]
+    )
     assert o.profile == "mi355x-pro-tp8" and o.model == "/ckpt" and o.dry_run
     assert o.env == {"A": "b=c"}
     # after "--" everything is vLLM's, even a name this command also uses
@@ -170,8 +200,9 @@ def test_missing_model_directory_is_refused(capsys, tmp_path):
 
 def test_unknown_profile_and_missing_profile(capsys):
     assert cli.run(["--profile", "h100", "--dry-run"]) == 2
-    assert "unknown profile 'h100'; known profiles: mi355x-pro-tp8, mi355x-flash-tp4, cpu-tiny" in \
-        capsys.readouterr().err
+    assert (
+        "unknown profile 'h100'; known profiles: mi355x-pro-tp8, mi355x-flash-tp4, cpu-tiny" in capsys.readouterr().err
+    )
     assert cli.run(["--dry-run"]) == 2
     assert "--profile is required" in capsys.readouterr().err
 
@@ -190,7 +221,7 @@ def test_unsupported_vllm_is_refused_before_starting(monkeypatch, capsys, tmp_pa
     monkeypatch.setattr(cli.os, "execve", lambda *a: pytest.fail("must not start an unsupported vLLM"))
     rc = cli.run(["--profile", "cpu-tiny", str(tmp_path)])
     assert rc == 2
-    assert ("vllm 0.31.2 is installed, but vllm-dsv4-mtp supports vLLM >=0.32,<0.35" in capsys.readouterr().err)
+    assert "vllm 0.31.2 is installed, but vllm-dsv4-mtp supports vLLM >=0.32,<0.35" in capsys.readouterr().err
 
 
 PRO_TP8_HEADER = [
@@ -211,14 +242,22 @@ def test_pro_tp8_dry_run_prints_a_command_that_needs_no_extra_environment(monkey
     assert "VLLM_DSV4_MTP" not in out  # quantized MTP tensors are decoded to BF16 by default: nothing to set
     # and the environment the server would get is the caller's plus exactly those three switches
     cmd = build_command(get_profile("mi355x-pro-tp8"), "amd/DeepSeek-V4-Pro-MXFP4", [], environ={"PATH": "/bin"})
-    assert cmd.env == {"PATH": "/bin", "VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MOE": "1",
-                       "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}
+    assert cmd.env == {
+        "PATH": "/bin",
+        "VLLM_ROCM_USE_AITER": "1",
+        "VLLM_ROCM_USE_AITER_MOE": "1",
+        "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1",
+    }
 
 
 def test_what_runs_follows_the_profile_and_the_speculative_config():
     flash = build_command(get_profile("mi355x-flash-tp4"), None, ["--speculative-config", "null"], environ={})
-    assert flash.what_runs() == ("on MI355X (gfx950): target = vLLM's in-tree DeepseekV4ForCausalLM with AITER, at "
-                                 "the checkpoint's own quantization; draft = none (no MTP speculative config)")
+    assert flash.what_runs() == (
+        "on MI355X (gfx950): target = vLLM's in-tree DeepseekV4ForCausalLM with AITER, at "
+        "the checkpoint's own quantization; draft = none (no MTP speculative config)"
+    )
     tiny = build_command(get_profile("cpu-tiny"), "/m", [], environ={})
-    assert tiny.what_runs() == ("on CPU: target = the plugin's portable DeepseekV4ForCausalLM (weights decoded to "
-                                "the model dtype at load); draft = the plugin's BF16 MTP (DeepSeekV4MTPModel)")
+    assert tiny.what_runs() == (
+        "on CPU: target = the plugin's portable DeepseekV4ForCausalLM (weights decoded to "
+        "the model dtype at load); draft = the plugin's BF16 MTP (DeepSeekV4MTPModel)"
+    )

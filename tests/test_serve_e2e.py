@@ -66,14 +66,17 @@ def test_cpu_tiny_serves_completions_and_stops_cleanly(embedded_mxfp4, tmp_path,
         server = psutil.Process(proc.pid)
         assert "vllm.entrypoints.launchers.api_server.entry" in " ".join(server.cmdline())
         children = server.children(recursive=True)
-        assert any("EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline()) for c in children), \
-            [(c.pid, c.name()) for c in children]
+        assert any("EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline()) for c in children), [
+            (c.pid, c.name()) for c in children
+        ]
 
         models = json.loads(get(f"http://127.0.0.1:{port}/v1/models"))
         assert [m["id"] for m in models["data"]] == ["dsv4-tiny"]
-        out = post_json(f"http://127.0.0.1:{port}/v1/completions",
-                        {"model": "dsv4-tiny", "prompt": "Tom has 3 apples and buys 4 more.", "max_tokens": 8,
-                         "temperature": 0}, timeout=120)
+        out = post_json(
+            f"http://127.0.0.1:{port}/v1/completions",
+            {"model": "dsv4-tiny", "prompt": "Tom has 3 apples and buys 4 more.", "max_tokens": 8, "temperature": 0},
+            timeout=120,
+        )
         choice = out["choices"][0]
         assert isinstance(choice["text"], str)
         assert out["usage"]["completion_tokens"] == 8 or choice["finish_reason"] == "stop"
@@ -94,19 +97,25 @@ def test_cpu_tiny_serves_completions_and_stops_cleanly(embedded_mxfp4, tmp_path,
         proc.kill()
         pytest.fail(f"server did not exit within 90 s of {sig.name}:\n{log.read_text()[-4000:]}")
     gone, alive = psutil.wait_procs(children, timeout=60)
-    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], \
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], (
         f"left behind after {sig.name}: {[(p.pid, p.name()) for p in alive]}"
+    )
     assert rc == 0, f"exit status {rc} after {sig.name}:\n{log.read_text()[-4000:]}"
     assert "Traceback" not in log.read_text().split("Shutting down")[-1]
-    leftovers = [p for p in psutil.process_iter(["environ"])
-                 if (p.info["environ"] or {}).get("DSV4_E2E_MARKER") == marker]
+    leftovers = [
+        p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("DSV4_E2E_MARKER") == marker
+    ]
     assert not leftovers, [(p.pid, p.name()) for p in leftovers]
 
 
 def test_dsv4_mtp_serve_console_script(tmp_path):
     """The installed `dsv4-mtp` console script dispatches `serve` (dry run: prints, starts nothing)."""
     exe = Path(sys.executable).parent / "dsv4-mtp"
-    r = subprocess.run([str(exe), "serve", "--profile", "cpu-tiny", str(tmp_path), "--dry-run"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [str(exe), "serve", "--profile", "cpu-tiny", str(tmp_path), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"  --model {tmp_path} \\\n" in r.stdout

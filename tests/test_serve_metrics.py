@@ -31,8 +31,11 @@ def _vllm_exposition() -> str:
     class PrivateRegistryProm(SpecDecodingProm):  # vLLM's class, counters on a registry of this test's own
         _counter_cls = functools.partial(prometheus_client.Counter, registry=registry)
 
-    prom = PrivateRegistryProm(SimpleNamespace(num_speculative_tokens=K), ["model_name", "engine"],
-                               {0: ["dsv4-tiny", "0"], 1: ["dsv4-tiny", "1"]})
+    prom = PrivateRegistryProm(
+        SimpleNamespace(num_speculative_tokens=K),
+        ["model_name", "engine"],
+        {0: ["dsv4-tiny", "0"], 1: ["dsv4-tiny", "1"]},
+    )
     for engine, steps in OUTCOMES.items():
         stats = SpecDecodingStats.new(K)
         for drafted, accepted in steps:
@@ -50,8 +53,7 @@ def _expected():
 
 def test_parse_vllm_spec_decode_exposition():
     text = _vllm_exposition()
-    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="dsv4-tiny",position="2"}' \
-        in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="dsv4-tiny",position="2"}' in text
     m = M.spec_decode_metrics(text)
     drafts, drafted, accepted, per_pos = _expected()
     assert (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens) == (drafts, drafted, accepted)
@@ -63,17 +65,22 @@ def test_parse_vllm_spec_decode_exposition():
 
 def test_since_gives_the_numbers_between_two_scrapes():
     before = M.spec_decode_metrics(_vllm_exposition())
-    after = M.SpecDecodeMetrics(before.num_drafts + 4, before.num_draft_tokens + 12,
-                                before.num_accepted_tokens + 9,
-                                {p: v + {0: 4, 1: 3, 2: 2}[p] for p, v in before.accepted_per_position.items()})
+    after = M.SpecDecodeMetrics(
+        before.num_drafts + 4,
+        before.num_draft_tokens + 12,
+        before.num_accepted_tokens + 9,
+        {p: v + {0: 4, 1: 3, 2: 2}[p] for p, v in before.accepted_per_position.items()},
+    )
     d = after.since(before)
     assert (d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens) == (4, 12, 9)
-    assert d.mean_acceptance_length == pytest.approx(1 + 9 / 4) and d.per_position == pytest.approx([1, .75, .5])
+    assert d.mean_acceptance_length == pytest.approx(1 + 9 / 4) and d.per_position == pytest.approx([1, 0.75, 0.5])
 
 
 def test_no_spec_decode_counters_means_none():
-    text = '# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n' \
-           'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
+    text = (
+        "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
+    )
     assert M.spec_decode_metrics(text) is None
 
 

@@ -24,8 +24,13 @@ from servers import get
 pytestmark = pytest.mark.engine
 
 BUDGET = 256
-ITEM1 = {"model": MODEL, "prompt": "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have?\n"
-         "Answer:", "max_tokens": 1, "top_k": 5, "temperature": 0.8}
+ITEM1 = {
+    "model": MODEL,
+    "prompt": "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have?\nAnswer:",
+    "max_tokens": 1,
+    "top_k": 5,
+    "temperature": 0.8,
+}
 LONG = [2 + (i * 37) % 500 for i in range(600)]  # 600 token ids: more than one 256-token step
 GREEDY_PROMPTS = ([5, 17, 99, 3, 250], LONG[:300])
 #: this server's --shutdown-timeout: shorter than the profile's, so that streams are still running when it ends
@@ -37,9 +42,21 @@ RSS_BOUND_MIB = 64  # worker RSS growth allowed over the soak's waves after the 
 
 @pytest.fixture(scope="module")
 def server(embedded_mxfp4, start_server):
-    return start_server(embedded_mxfp4, mtp_k=2, extra_args=[
-        "--env", "VLLM_MLA_DISABLE=1", "--enable-chunked-prefill", "--max-num-batched-tokens", str(BUDGET),
-        "--seed", "0", "--shutdown-timeout", str(DRAIN_S)])
+    return start_server(
+        embedded_mxfp4,
+        mtp_k=2,
+        extra_args=[
+            "--env",
+            "VLLM_MLA_DISABLE=1",
+            "--enable-chunked-prefill",
+            "--max-num-batched-tokens",
+            str(BUDGET),
+            "--seed",
+            "0",
+            "--shutdown-timeout",
+            str(DRAIN_S),
+        ],
+    )
 
 
 def _healthy(srv) -> None:
@@ -85,8 +102,10 @@ def test_sampling_fuzz_never_5xx_and_greedy_unchanged(server):
     results = run_fuzz(server.base_url, fuzz_cases(seed=38, count=96, prompt_lens=(3, 40, 255, 257, 600)))
     took = time.monotonic() - t0
     statuses = check_fuzz_results(results)
-    print(f"\nfuzz (MTP K=2, chunked prefill): {len(results)} requests in {took:.0f} s; statuses "
-          f"{ {s: statuses.count(s) for s in sorted(set(statuses))} }")
+    print(
+        f"\nfuzz (MTP K=2, chunked prefill): {len(results)} requests in {took:.0f} s; statuses "
+        f"{ {s: statuses.count(s) for s in sorted(set(statuses))} }"
+    )
     assert 200 in statuses and 400 in statuses
     _healthy(server)
     assert [greedy_tokens(server.base_url, p) for p in GREEDY_PROMPTS] == before
@@ -95,8 +114,11 @@ def test_sampling_fuzz_never_5xx_and_greedy_unchanged(server):
 def _metric(base_url: str, name: str, **labels) -> float:
     from vllm_dsv4_mtp.serve.metrics import fetch_metrics_text, parse_prometheus_text
 
-    return sum(s.value for s in parse_prometheus_text(fetch_metrics_text(base_url)) if s.name == name
-               and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for s in parse_prometheus_text(fetch_metrics_text(base_url))
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def _engine_rss_mib(srv) -> float:
@@ -111,8 +133,11 @@ def _stream(base_url: str, body: dict, cancel_after: int | None) -> int:
     """Stream one completion; close the connection after ``cancel_after`` events (a client cancellation)."""
     import urllib.request
 
-    req = urllib.request.Request(base_url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        base_url + "/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     n = 0
     with urllib.request.urlopen(req, timeout=300) as r:
         for raw in r:
@@ -136,7 +161,7 @@ def test_soak_memory_flat_and_cancellations_stop_generating(server):
     body = {"model": MODEL, "prompt": [11, 12, 13, 14], "max_tokens": 400, "temperature": 0.8, "ignore_eos": True}
     aborted0 = _metric(url, "vllm:request_success_total", finished_reason="abort")
     series, cancelled = [], 0
-    for wave in range(WAVES + 1):
+    for _wave in range(WAVES + 1):
         with ThreadPoolExecutor(8) as pool:
             counts = list(pool.map(lambda i: _stream(url, body, 3 if i % 2 else None), range(8)))
         cancelled += 4
@@ -149,8 +174,10 @@ def test_soak_memory_flat_and_cancellations_stop_generating(server):
         series.append(round(_engine_rss_mib(server)))
     aborted = _metric(url, "vllm:request_success_total", finished_reason="abort") - aborted0
     growth = max(series[1:]) - series[1]
-    print(f"\nsoak: worker RSS MiB per wave (first = warm-up) {series}; growth after warm-up {growth} MiB; "
-          f"{cancelled} client cancellations, /metrics abort count +{aborted:.0f}")
+    print(
+        f"\nsoak: worker RSS MiB per wave (first = warm-up) {series}; growth after warm-up {growth} MiB; "
+        f"{cancelled} client cancellations, /metrics abort count +{aborted:.0f}"
+    )
     assert growth <= RSS_BOUND_MIB, series
     _healthy(server)
 
@@ -165,10 +192,19 @@ def test_sigterm_drains_then_ends_every_stream_and_exits(server):
     ends: list[str] = []
 
     def stream():
-        body = {"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 1000, "temperature": 0.0, "ignore_eos": True,
-                "stream": True}
-        req = urllib.request.Request(server.base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        body = {
+            "model": MODEL,
+            "prompt": [7, 8, 9],
+            "max_tokens": 1000,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        req = urllib.request.Request(
+            server.base_url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         events = []
         try:
             with urllib.request.urlopen(req, timeout=DRAIN_S + 60) as r:
@@ -183,8 +219,14 @@ def test_sigterm_drains_then_ends_every_stream_and_exits(server):
         if data and "error" in data[-1]:
             ends.append(f"error event {data[-1]['error'].get('code')}")
         elif events and events[-1] == "[DONE]":
-            reason = next((c["choices"][0].get("finish_reason") for c in reversed(data)
-                           if c.get("choices") and c["choices"][0].get("finish_reason")), None)
+            reason = next(
+                (
+                    c["choices"][0].get("finish_reason")
+                    for c in reversed(data)
+                    if c.get("choices") and c["choices"][0].get("finish_reason")
+                ),
+                None,
+            )
             ends.append(f"[DONE] finish_reason={reason} after {len(data)} chunks")
         else:
             ends.append(f"cut after {len(events)} events")
@@ -202,8 +244,10 @@ def test_sigterm_drains_then_ends_every_stream_and_exits(server):
         exited = time.monotonic() - t0
         for t in threads:
             t.join(timeout=30)
-    print(f"\nSIGTERM with {STREAMS} open streams: exited after {exited:.1f} s (shutdown timeout "
-          f"{DRAIN_S} s); stream ends {ends}")
+    print(
+        f"\nSIGTERM with {STREAMS} open streams: exited after {exited:.1f} s (shutdown timeout "
+        f"{DRAIN_S} s); stream ends {ends}"
+    )
     assert proc.poll() is not None, "the server did not exit"
     assert exited <= DRAIN_S + 15
     assert len(ends) == STREAMS and not any("timeout" in e.lower() for e in ends), ends

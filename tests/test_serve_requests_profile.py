@@ -35,8 +35,15 @@ def test_profile_runs_without_chunked_prefill(server):
 
 def test_seeded_sampling_of_a_long_prompt_is_served(server):
     """Issue 38 item 2 under the profile: the 600-token seeded sampled prompt is served, twice the same."""
-    body = {"model": MODEL, "prompt": LONG, "max_tokens": 4, "temperature": 0.8, "seed": 1, "top_k": 5,
-            "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "prompt": LONG,
+        "max_tokens": 4,
+        "temperature": 0.8,
+        "seed": 1,
+        "top_k": 5,
+        "return_token_ids": True,
+    }
     answers = []
     for _ in range(2):
         status, text = call(server.base_url, body)
@@ -54,8 +61,10 @@ def test_sampling_fuzz_never_5xx_and_greedy_unchanged(server):
     results = run_fuzz(server.base_url, fuzz_cases(seed=380, count=96, prompt_lens=(3, 40, 255, 257, 600, 900)))
     took = time.monotonic() - t0
     statuses = check_fuzz_results(results)
-    print(f"\nfuzz (MTP off, cpu-tiny profile): {len(results)} requests in {took:.0f} s; statuses "
-          f"{ {s: statuses.count(s) for s in sorted(set(statuses))} }")
+    print(
+        f"\nfuzz (MTP off, cpu-tiny profile): {len(results)} requests in {took:.0f} s; statuses "
+        f"{ {s: statuses.count(s) for s in sorted(set(statuses))} }"
+    )
     assert 200 in statuses and 400 in statuses
     get(server.base_url + "/health")
     assert [greedy_tokens(server.base_url, p) for p in prompts] == before
@@ -65,8 +74,10 @@ def _failed_start(embedded_mxfp4, tmp_path, mtp_k, extra_args) -> str:
     from vllm_dsv4_mtp.evaluate.server import ManagedServer, ServerSpec, ServerStartError
 
     spec = ServerSpec(model=str(embedded_mxfp4), mtp_k=mtp_k, extra_args=extra_args)
-    with pytest.raises(ServerStartError), ManagedServer(spec, log_path=tmp_path / "server.log",
-                                                        start_timeout_s=300, quiet=True):
+    with (
+        pytest.raises(ServerStartError),
+        ManagedServer(spec, log_path=tmp_path / "server.log", start_timeout_s=300, quiet=True),
+    ):
         pass
     return (tmp_path / "server.log").read_text()
 
@@ -79,10 +90,15 @@ def test_unschedulable_budget_is_refused_at_start_up(embedded_mxfp4, tmp_path, s
     server.stop()  # one server at a time
     log = _failed_start(embedded_mxfp4, tmp_path, 2, ["--max-num-batched-tokens", "256"])
     assert "max_num_batched_tokens (256) is smaller than max_model_len (1024)" in log, log[-3000:]
-    log = _failed_start(embedded_mxfp4, tmp_path, 2, ["--max-num-batched-tokens", "256",
-                                                      "--enable-chunked-prefill", "--env", "VLLM_MLA_DISABLE=0"])
-    assert "could never be scheduled" in log and "--max-num-batched-tokens" in log and "--max-model-len" in log, \
-        log[-3000:]
+    log = _failed_start(
+        embedded_mxfp4,
+        tmp_path,
+        2,
+        ["--max-num-batched-tokens", "256", "--enable-chunked-prefill", "--env", "VLLM_MLA_DISABLE=0"],
+    )
+    assert "could never be scheduled" in log and "--max-num-batched-tokens" in log and "--max-model-len" in log, log[
+        -3000:
+    ]
 
 
 def test_missing_tokenizer_is_named_at_start_up(embedded_mxfp4, tmp_path, server):

@@ -22,8 +22,13 @@ def _copy_of_the_script(tmp_path) -> Path:
 
 
 def _run(script: Path, free_gb: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(script)], env=dict(os.environ, DSV4_SETUP_FREE_GB=free_gb),
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(script)],
+        env=dict(os.environ, DSV4_SETUP_FREE_GB=free_gb),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize("half_made_venv", [False, True])

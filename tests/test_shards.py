@@ -61,8 +61,10 @@ def test_truncated_shard_is_named(tmp_path):
     assert "incomplete metadata" in _safetensors_refuses(f)  # vLLM's message names no file
     with pytest.raises(CheckpointError) as e:
         validate_shard_headers(d)
-    assert str(e.value) == (f"{f}: truncated safetensors file: its header describes 800 data bytes (through tensor "
-                            f"'t3') but the file holds only 793")
+    assert str(e.value) == (
+        f"{f}: truncated safetensors file: its header describes 800 data bytes (through tensor "
+        f"'t3') but the file holds only 793"
+    )
 
 
 def test_truncated_inside_the_header_is_named(tmp_path):
@@ -81,36 +83,60 @@ def test_trailing_bytes_are_named(tmp_path):
     assert "not fully covered" in _safetensors_refuses(f)
     with pytest.raises(CheckpointError) as e:
         validate_shard_headers(tmp_path)
-    assert str(e.value) == (f"{f}: corrupt safetensors file: 4 byte(s) after the last tensor's data (the header "
-                            f"covers 8 of 12 data bytes)")
+    assert str(e.value) == (
+        f"{f}: corrupt safetensors file: 4 byte(s) after the last tensor's data (the header covers 8 of 12 data bytes)"
+    )
 
 
 def test_gap_and_overlap_are_named(tmp_path):
     f = tmp_path / "model.safetensors"
-    _raw(f, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-             "b": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]}}, bytes(16))
+    _raw(
+        f,
+        {
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]},
+        },
+        bytes(16),
+    )
     _safetensors_refuses(f)
     with pytest.raises(CheckpointError) as e:
         read_safetensors_header(f)
-    assert str(e.value) == (f"{f}: corrupt safetensors file: tensor 'b' at data_offsets [12, 16] leaves a gap after "
-                            f"the previous tensor 'a' (data offset 8)")
-    _raw(f, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-             "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12))
+    assert str(e.value) == (
+        f"{f}: corrupt safetensors file: tensor 'b' at data_offsets [12, 16] leaves a gap after "
+        f"the previous tensor 'a' (data offset 8)"
+    )
+    _raw(
+        f,
+        {
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+        },
+        bytes(12),
+    )
     _safetensors_refuses(f)
     with pytest.raises(CheckpointError) as e:
         read_safetensors_header(f)
-    assert str(e.value) == (f"{f}: corrupt safetensors file: tensor 'b' at data_offsets [4, 12] overlaps the "
-                            f"previous tensor 'a' (data offset 8)")
+    assert str(e.value) == (
+        f"{f}: corrupt safetensors file: tensor 'b' at data_offsets [4, 12] overlaps the "
+        f"previous tensor 'a' (data offset 8)"
+    )
 
 
-@pytest.mark.parametrize("entry,message", [
-    ({"dtype": "F33", "shape": [1], "data_offsets": [0, 4]}, "tensor 'a' has unknown dtype 'F33'"),
-    ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}, "tensor 'a' has a negative dimension in shape [-1]"),
-    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 4]},
-     "tensor 'a' (F32 [2]) has data_offsets [0, 4] that do not match its size (8 bytes)"),
-    ({"dtype": "F32", "shape": "x", "data_offsets": [0, 4]},
-     "corrupt header entry for tensor 'a': {'dtype': 'F32', 'shape': 'x', 'data_offsets': [0, 4]}"),
-])
+@pytest.mark.parametrize(
+    "entry,message",
+    [
+        ({"dtype": "F33", "shape": [1], "data_offsets": [0, 4]}, "tensor 'a' has unknown dtype 'F33'"),
+        ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}, "tensor 'a' has a negative dimension in shape [-1]"),
+        (
+            {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]},
+            "tensor 'a' (F32 [2]) has data_offsets [0, 4] that do not match its size (8 bytes)",
+        ),
+        (
+            {"dtype": "F32", "shape": "x", "data_offsets": [0, 4]},
+            "corrupt header entry for tensor 'a': {'dtype': 'F32', 'shape': 'x', 'data_offsets': [0, 4]}",
+        ),
+    ],
+)
 def test_bad_header_entries_are_named(tmp_path, entry, message):
     f = tmp_path / "model.safetensors"
     _raw(f, {"a": entry}, bytes(4))
@@ -132,14 +158,17 @@ def test_missing_shard_files_are_named(tmp_path):
     (d / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(CheckpointError) as e:
         validate_shard_headers(d)
-    assert str(e.value) == (f"{d / INDEX_FILE}: shard 'model-00002-of-00003.safetensors' (listed for 2 tensors, e.g. "
-                            f"'t2') does not exist")
+    assert str(e.value) == (
+        f"{d / INDEX_FILE}: shard 'model-00002-of-00003.safetensors' (listed for 2 tensors, e.g. 't2') does not exist"
+    )
     (d / "model-00003-of-00003.safetensors").unlink()
     with pytest.raises(CheckpointError) as e:
         CheckpointReader(d)
-    assert str(e.value) == (f"{d / INDEX_FILE}: shards 'model-00002-of-00003.safetensors' (listed for 2 tensors, "
-                            f"e.g. 't2'); 'model-00003-of-00003.safetensors' (listed for 2 tensors, e.g. 't4') do "
-                            f"not exist")
+    assert str(e.value) == (
+        f"{d / INDEX_FILE}: shards 'model-00002-of-00003.safetensors' (listed for 2 tensors, "
+        f"e.g. 't2'); 'model-00003-of-00003.safetensors' (listed for 2 tensors, e.g. 't4') do "
+        f"not exist"
+    )
 
 
 def test_index_pointing_one_tensor_at_a_missing_file_names_that_file(tmp_path):
@@ -152,8 +181,10 @@ def test_index_pointing_one_tensor_at_a_missing_file_names_that_file(tmp_path):
     for check in (validate_shard_headers, CheckpointReader):
         with pytest.raises(CheckpointError) as e:
             check(d)
-        assert str(e.value) == (f"{d / INDEX_FILE}: shard 'model-00009-of-00009.safetensors' (listed for 1 tensors, "
-                                f"e.g. 't3') does not exist")
+        assert str(e.value) == (
+            f"{d / INDEX_FILE}: shard 'model-00009-of-00009.safetensors' (listed for 1 tensors, "
+            f"e.g. 't3') does not exist"
+        )
 
 
 def test_index_not_json_is_named(tmp_path):

@@ -28,9 +28,11 @@ def test_float64_parts_round_to_the_whole_sum():
     g = torch.Generator().manual_seed(0)
     experts, width = 9, 64
     x, w = torch.randn(64, experts * width, generator=g), torch.randn(128, experts * width, generator=g)
-    halves = [torch.cat([torch.arange(e * width + r * width // 2, e * width + (r + 1) * width // 2)
-                         for e in range(experts)]) for r in range(2)]
-    whole, parts = _split_and_whole(lambda m: (lambda v: v @ m.T), x, w, halves)
+    halves = [
+        torch.cat([torch.arange(e * width + r * width // 2, e * width + (r + 1) * width // 2) for e in range(experts)])
+        for r in range(2)
+    ]
+    whole, parts = _split_and_whole(lambda m: lambda v: v @ m.T, x, w, halves)
     assert (whole != parts).any()  # float32: another order of the additions, other roundings
     whole, parts = _split_and_whole(split_sums.wide_linear, x, w, halves)
     assert whole.dtype == parts.dtype == torch.float64
@@ -70,11 +72,16 @@ def test_two_ranks_add_up_to_one_rank_bit_for_bit(expert_parallel):
     parallel ranks hold whole experts: their dispatch splits no expert's sum)."""
     g = torch.Generator().manual_seed(11)
     E, D, I = 8, 64, 64
-    weights = [{"w1": torch.randn(I, D, generator=g), "w3": torch.randn(I, D, generator=g),
-                "w2": torch.randn(D, I, generator=g)} for _ in range(E)]
+    weights = [
+        {
+            "w1": torch.randn(I, D, generator=g),
+            "w3": torch.randn(I, D, generator=g),
+            "w2": torch.randn(D, I, generator=g),
+        }
+        for _ in range(E)
+    ]
     whole = _experts(weights, torch.float32)
-    ranks = [_experts(weights, torch.float32, tp_rank=r, tp_size=2, expert_parallel=expert_parallel)
-             for r in range(2)]
+    ranks = [_experts(weights, torch.float32, tp_rank=r, tp_size=2, expert_parallel=expert_parallel) for r in range(2)]
     for tokens in (7, 300):
         x = torch.randn(tokens, D, generator=g)
         ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
@@ -85,7 +92,10 @@ def test_two_ranks_add_up_to_one_rank_bit_for_bit(expert_parallel):
         for ex in (whole, *ranks):
             ex.pack()
             ex.pack_all()
-        for run in (lambda ex: ex(x, ws, ids), lambda ex: ex.forward_all(x, ws, ids)):
+        for run in (
+            lambda ex, x=x, ws=ws, ids=ids: ex(x, ws, ids),
+            lambda ex, x=x, ws=ws, ids=ids: ex.forward_all(x, ws, ids),
+        ):
             one, parts = run(whole), [run(ex) for ex in ranks]
             assert one.dtype == parts[0].dtype == torch.float64
             assert torch.equal((parts[0] + parts[1]).float(), one.float()), tokens
@@ -107,8 +117,9 @@ def test_split_sum_linears_keep_a_float32_weight_for_their_float64_copy():
     def row(dtype):
         torch.set_default_dtype(dtype)
         try:
-            return RowParallelLinear(8, 4, bias=False, quant_config=LINEARS, return_bias=False,
-                                     prefix="model.layers.0.attn.wo_b")
+            return RowParallelLinear(
+                8, 4, bias=False, quant_config=LINEARS, return_bias=False, prefix="model.layers.0.attn.wo_b"
+            )
         finally:
             torch.set_default_dtype(torch.float32)
 

@@ -21,8 +21,10 @@ MTP = {"method": "mtp", "num_speculative_tokens": 1}
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     w = tmp_path_factory.mktemp("startup")
-    out = {"good": build_tiny_checkpoint(w / "good", seed=7),
-           "zero": build_tiny_checkpoint(w / "zero", tiny_config(num_nextn_predict_layers=0), mtp=False)}
+    out = {
+        "good": build_tiny_checkpoint(w / "good", seed=7),
+        "zero": build_tiny_checkpoint(w / "zero", tiny_config(num_nextn_predict_layers=0), mtp=False),
+    }
     for name, edit in (("neg", {"hidden_size": -128}), ("ratios", {"compress_ratios": [0, 4, 128, 4]})):
         d = build_tiny_checkpoint(w / name, seed=7, tokenizer=False)
         cfg = json.loads((d / "config.json").read_text())
@@ -53,9 +55,11 @@ def test_the_plugin_registers_the_config_format(ckpts):
 def test_no_mtp_layer_with_an_mtp_config(ckpts):
     with pytest.raises(StartupCheckError) as e:
         _engine_config(ckpts["zero"], config_format="dsv4_mtp", speculative_config=MTP)
-    assert str(e.value) == (f"{ckpts['zero'] / 'config.json'}: num_nextn_predict_layers = 0: the checkpoint has no "
-                            f"MTP layer, so it cannot be served with speculative_config method 'mtp'; serve it "
-                            f"without a speculative config")
+    assert str(e.value) == (
+        f"{ckpts['zero'] / 'config.json'}: num_nextn_predict_layers = 0: the checkpoint has no "
+        f"MTP layer, so it cannot be served with speculative_config method 'mtp'; serve it "
+        f"without a speculative config"
+    )
     # vLLM's own config code, without the plugin's parser
     with pytest.raises(ZeroDivisionError, match="^integer modulo by zero$"):
         _engine_config(ckpts["zero"], speculative_config=MTP)
@@ -99,8 +103,10 @@ def test_negative_hidden_size_without_the_config_format_dies_in_vllm(ckpts):
             pass  # not reached: the engine must not start
 
 
-RATIOS = ("field 'compress_ratios' has 4 entries, expected num_hidden_layers + num_nextn_predict_layers = 4 + 1 = 5 "
-          "(one per main layer, then one per MTP layer)")
+RATIOS = (
+    "field 'compress_ratios' has 4 entries, expected num_hidden_layers + num_nextn_predict_layers = 4 + 1 = 5 "
+    "(one per main layer, then one per MTP layer)"
+)
 
 
 def test_malformed_field_with_the_config_format(ckpts):
@@ -131,8 +137,9 @@ def test_truncated_shard_is_named_at_engine_start(ckpts):
     f = ckpts["trunc"] / "model.safetensors"
     size = f.stat().st_size
     assert str(e.value).startswith(f"{f}: truncated safetensors file: its header describes ")
-    assert str(e.value).endswith(f" data bytes (through tensor 'norm.weight') but the file holds only "
-                                 f"{size - 8 - _header_len(f)}")
+    assert str(e.value).endswith(
+        f" data bytes (through tensor 'norm.weight') but the file holds only {size - 8 - _header_len(f)}"
+    )
 
 
 def _header_len(f: Path) -> int:
@@ -146,7 +153,8 @@ def test_a_good_checkpoint_serves_with_the_config_format_and_mtp(ckpts):
     """The parser is vLLM's HF parser plus checks: a good checkpoint starts with the MTP draft and generates."""
     from vllm import SamplingParams
 
-    with _llm(ckpts["good"], config_format="dsv4_mtp",
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+    with _llm(
+        ckpts["good"], config_format="dsv4_mtp", speculative_config={"method": "mtp", "num_speculative_tokens": 2}
+    ) as llm:
         out = llm.generate([{"prompt_token_ids": [0, 17, 42, 99, 5]}], SamplingParams(max_tokens=8, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 8

@@ -21,8 +21,8 @@ import json
 import os
 import sys
 
-import pytest
 import procs
+import pytest
 
 from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR
 
@@ -63,7 +63,7 @@ def _run(tp: int, mode: str, k: int) -> list[dict]:
     script = SCRIPT.replace("CKPT", repr(str(BF16_CHECKPOINT_DIR)))
     p = procs.run([sys.executable, "-c", script, str(tp), mode, str(k)], env=env, timeout=1200)
     assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
 
 
 @pytest.fixture(scope="module")

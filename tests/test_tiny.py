@@ -22,7 +22,7 @@ def bf16_dir(tmp_path_factory):
 
 def _check_against_table(path, table):
     r = CheckpointReader(path)
-    assert set(r.names()) == set(table), (set(r.names()) ^ set(table))
+    assert set(r.names()) == set(table), set(r.names()) ^ set(table)
     for name, exp in table.items():
         info = r.info(name)
         assert info.shape == exp.shape, name
@@ -80,23 +80,26 @@ def test_without_mtp_same_main_weights(tmp_path, bf16_dir):
 def _hf_forward(path, n_tokens):
     from transformers import DeepseekV4ForCausalLM
 
-    model, info = DeepseekV4ForCausalLM.from_pretrained(path, config=hf_config(path), dtype=torch.float32,
-                                                        output_loading_info=True)
+    model, info = DeepseekV4ForCausalLM.from_pretrained(
+        path, config=hf_config(path), dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     ids = torch.randint(0, model.config.vocab_size, (1, n_tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return model(ids, use_cache=False).logits[0]
 
 
-@pytest.mark.parametrize("overrides, n_tokens", [
-    ({}, 300),  # C128 emits 2 entries, the window wraps, C4 has 75 > index_topk candidates
-    ({"compress_ratios": [0, 4, 8, 0], "sliding_window": 16, "index_topk": 4}, 64),
-])
+@pytest.mark.parametrize(
+    "overrides, n_tokens",
+    [
+        ({}, 300),  # C128 emits 2 entries, the window wraps, C4 has 75 > index_topk candidates
+        ({"compress_ratios": [0, 4, 8, 0], "sliding_window": 16, "index_topk": 4}, 64),
+    ],
+)
 def test_loads_and_runs_in_transformers(tmp_path, bf16_dir, overrides, n_tokens):
     """The HF oracle loads every non-MTP tensor (renaming the native names itself) and gives sane logits:
     finite, O(1) spread, and not tied (many different argmax tokens)."""
-    path = bf16_dir if not overrides else build_tiny_checkpoint(tmp_path, tiny_config(**overrides),
-                                                                tokenizer=False)
+    path = bf16_dir if not overrides else build_tiny_checkpoint(tmp_path, tiny_config(**overrides), tokenizer=False)
     logits = _hf_forward(path, n_tokens)
     assert logits.shape == (n_tokens, 512)
     assert torch.isfinite(logits).all()
@@ -123,8 +126,9 @@ def test_tokenizer_loads_in_vllm_deepseek_v4_mode(bf16_dir):
 
     tok = get_tokenizer(str(bf16_dir), tokenizer_mode="deepseek_v4")
     assert len(tok) == 512
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
-                                  thinking=False)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, thinking=False
+    )
     specials = tok.convert_tokens_to_ids(["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "</think>"])
     assert specials == [0, 3, 4, 6]
     assert ids[0] == 0 and ids[-2:] == [4, 6]  # chat mode ends with <｜Assistant｜></think>
@@ -163,8 +167,7 @@ def test_official_fp8_fp4_variant(tmp_path, bf16_dir):
     r = _check_against_table(path, expected_tensors(spec, "fp4-official", linears="fp8"))
     assert r.config["quantization_config"]["quant_method"] == "fp8" and r.config["expert_dtype"] == "fp4"
     ref = CheckpointReader(bf16_dir)
-    w = dequantize_block_fp8(r.get("layers.1.attn.wq_b.weight"), r.get("layers.1.attn.wq_b.scale"),
-                             dtype=torch.float32)
+    w = dequantize_block_fp8(r.get("layers.1.attn.wq_b.weight"), r.get("layers.1.attn.wq_b.scale"), dtype=torch.float32)
     ref_w = ref.get("layers.1.attn.wq_b.weight").float()
     assert (w - ref_w).abs().max() <= ref_w.abs().max() / 8  # e4m3 has 3 mantissa bits
     assert r.info("mtp.0.e_proj.weight").dtype == "F8_E4M3"  # the official release quantizes MTP too
@@ -191,17 +194,21 @@ def test_build_tiny_refuses_a_vocabulary_too_large_before_writing(tmp_path, caps
     assert rc == 2
     assert capsys.readouterr().err.splitlines() == [
         "dsv4-mtp build-tiny: error: vocab_size 129280 is too large for the tiny tokenizer: its built-in text yields "
-        "only 1214 BPE tokens (choose vocab_size <= 1214)"]
+        "only 1214 BPE tokens (choose vocab_size <= 1214)"
+    ]
     assert not (tmp_path / "t").exists()
     assert main(["build-tiny", str(tmp_path / "t"), "--config", '{"vocab_size": 1214}']) == 0
     assert (tmp_path / "t" / "tokenizer.json").is_file()
 
 
-@pytest.mark.parametrize("config,message", [
-    ('{"hidden_size": -128}', "tiny_config(): field 'hidden_size' must be > 0, got -128"),
-    ('{"hidden_size": ', "Expecting value: line 1 column 17 (char 16)"),
-    ('[1]', "--config must be a JSON object of config.json fields, got '[1]'"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ('{"hidden_size": -128}', "tiny_config(): field 'hidden_size' must be > 0, got -128"),
+        ('{"hidden_size": ', "Expecting value: line 1 column 17 (char 16)"),
+        ("[1]", "--config must be a JSON object of config.json fields, got '[1]'"),
+    ],
+)
 def test_build_tiny_bad_config_is_one_line(tmp_path, capsys, config, message):
     from vllm_dsv4_mtp.cli import main
 

@@ -35,7 +35,8 @@ KNOWN_MISSING = {"0.33.0": [], "0.34.0": []}
 def test_every_vllm_import_of_the_plugin_resolves_in_the_release(version):
     src = release_source(version)
     assert (src / "vllm" / "__init__.py").is_file(), (
-        f"{src}: vLLM {version}'s source is missing; `make setup` (scripts/setup_env.sh) downloads it")
+        f"{src}: vLLM {version}'s source is missing; `make setup` (scripts/setup_env.sh) downloads it"
+    )
     imports = plugin_vllm_imports()
     assert len(imports) > 50  # the plugin really uses vLLM
     assert missing_in(src, imports) == KNOWN_MISSING[version]
@@ -46,11 +47,15 @@ def test_the_check_itself_sees_0_32_and_a_missing_name():
 
     installed = Path(inspect.getfile(vllm)).parents[1]
     assert missing_in(installed, plugin_vllm_imports()) == []
-    bogus = [VllmImport("x.py", 1, "vllm.model_executor.layers.linear", "NoSuchLinear"),
-             VllmImport("x.py", 2, "vllm.no_such_module", "X"),
-             VllmImport("x.py", 3, "vllm.no_such_module", "Y", optional=True)]
-    assert missing_in(installed, bogus) == ["x.py:1: vllm.model_executor.layers.linear defines no NoSuchLinear",
-                                            "x.py:2: module vllm.no_such_module does not exist"]
+    bogus = [
+        VllmImport("x.py", 1, "vllm.model_executor.layers.linear", "NoSuchLinear"),
+        VllmImport("x.py", 2, "vllm.no_such_module", "X"),
+        VllmImport("x.py", 3, "vllm.no_such_module", "Y", optional=True),
+    ]
+    assert missing_in(installed, bogus) == [
+        "x.py:1: vllm.model_executor.layers.linear defines no NoSuchLinear",
+        "x.py:2: module vllm.no_such_module does not exist",
+    ]
     # the plugin's own guarded imports are seen as guarded (cpu_requests probes V1's and V2's interfaces)
     guarded = {(i.file, i.module) for i in plugin_vllm_imports() if i.optional}
     assert ("vllm_dsv4_mtp/workarounds/cpu_requests.py", "vllm.v1.sample.logits_processor") in guarded

@@ -18,8 +18,15 @@ from engines import drafter, target, vllm_engine
 pytestmark = pytest.mark.engine
 
 PROMPTS = [{"prompt_token_ids": [1, 5, 9, 17, 33]}, {"prompt_token_ids": [2, 7, 100, 3, 250, 41, 8]}]
-ENGINE = dict(dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=4, skip_tokenizer_init=True,
-              seed=0, env={"VLLM_MLA_DISABLE": "1"})
+ENGINE = dict(
+    dtype="bfloat16",
+    enforce_eager=True,
+    max_model_len=256,
+    max_num_seqs=4,
+    skip_tokenizer_init=True,
+    seed=0,
+    env={"VLLM_MLA_DISABLE": "1"},
+)
 
 
 def _greedy(llm) -> list[list[int]]:
@@ -33,8 +40,10 @@ def a_and_b(tmp_path):
     """Two tiny checkpoints of the same shapes, different weights."""
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint
 
-    return (build_tiny_checkpoint(tmp_path / "a", seed=0, tokenizer=False),
-            build_tiny_checkpoint(tmp_path / "b", seed=1, tokenizer=False))
+    return (
+        build_tiny_checkpoint(tmp_path / "a", seed=0, tokenizer=False),
+        build_tiny_checkpoint(tmp_path / "b", seed=1, tokenizer=False),
+    )
 
 
 def _reload(a, b, run, *, inspect=lambda llm: None, first=None, from_tensors=False, **engine):
@@ -51,8 +60,9 @@ def _reload(a, b, run, *, inspect=lambda llm: None, first=None, from_tensors=Fal
         before = None if first.get("load_format") == "dummy" else run(llm)
         if from_tensors:
             tensors = CheckpointReader(b)
-            llm.collective_rpc("reload_weights",
-                               kwargs={"weights_iterator": [(n, tensors.get(n)) for n in tensors.names()]})
+            llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": [(n, tensors.get(n)) for n in tensors.names()]}
+            )
         else:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": str(b)})
         return fresh, before, run(llm), inspect(llm)
@@ -100,8 +110,10 @@ def test_in_place_reload_of_a_float32_model_serves_exactly_the_new_weights(a_and
 
     def run(llm):
         outs = llm.generate(PROMPTS, sp)
-        return ([list(o.outputs[0].token_ids) for o in outs],
-                [[{t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs[1:]] for o in outs])
+        return (
+            [list(o.outputs[0].token_ids) for o in outs],
+            [[{t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs[1:]] for o in outs],
+        )
 
     fresh_b, before, after, _ = _reload(*a_and_b, run, **{**ENGINE, "dtype": "float32"})
     assert before[0] != fresh_b[0]
@@ -133,9 +145,13 @@ def test_reload_of_a_dummy_loaded_mtp_engine_serves_the_new_target_and_warns_abo
     logging.getLogger("vllm.dsv4_mtp.model").addHandler(records)  # the target's logger, in this process
     try:
         fresh_b, _, after, hc_head = _reload(
-            *a_and_b, _greedy, inspect=lambda llm: drafter(llm).model.layer(0).hc_head.fn.detach().clone(),
+            *a_and_b,
+            _greedy,
+            inspect=lambda llm: drafter(llm).model.layer(0).hc_head.fn.detach().clone(),
             first={"load_format": "dummy", "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
-            from_tensors=True, **{**ENGINE, "dtype": "float32"})
+            from_tensors=True,
+            **{**ENGINE, "dtype": "float32"},
+        )
     finally:
         logging.getLogger("vllm.dsv4_mtp.model").removeHandler(records)
     assert after == fresh_b

@@ -10,14 +10,17 @@ import torch
 from vllm_dsv4_mtp.model import window_kernel as wk
 
 
-@pytest.mark.parametrize("shape,dtype,head_dim,want", [
-    ((8, 1, 256, 896), torch.bfloat16, 128, True),  # the embedded model's caches
-    ((8, 1, 32, 256), torch.float32, 128, True),
-    ((8, 1, 16, 896), torch.bfloat16, 128, False),  # block size not a multiple of 32
-    ((8, 1, 256, 128), torch.bfloat16, 128, False),  # no room for key and value (a model of SWA layers only)
-    ((8, 1, 256, 896), torch.float16, 128, False),
-    ((8, 1, 256, 896), torch.bfloat16, 48, False),  # a head size the kernel lacks
-])
+@pytest.mark.parametrize(
+    "shape,dtype,head_dim,want",
+    [
+        ((8, 1, 256, 896), torch.bfloat16, 128, True),  # the embedded model's caches
+        ((8, 1, 32, 256), torch.float32, 128, True),
+        ((8, 1, 16, 896), torch.bfloat16, 128, False),  # block size not a multiple of 32
+        ((8, 1, 256, 128), torch.bfloat16, 128, False),  # no room for key and value (a model of SWA layers only)
+        ((8, 1, 256, 896), torch.float16, 128, False),
+        ((8, 1, 256, 896), torch.bfloat16, 48, False),  # a head size the kernel lacks
+    ],
+)
 def test_which_caches_take_the_kernel(shape, dtype, head_dim, want):
     assert wk.usable(torch.zeros(shape, dtype=dtype), head_dim) is want
 

@@ -64,8 +64,9 @@ def quantized_mtp_option(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     value = env.get(QUANTIZED_MTP_ENV, "").strip().lower() or DEQUANTIZE
     if value not in _OPTIONS:
-        raise MtpPrecisionError(f"{QUANTIZED_MTP_ENV}={env.get(QUANTIZED_MTP_ENV)!r} is not valid; "
-                                f"expected one of {', '.join(_OPTIONS)}")
+        raise MtpPrecisionError(
+            f"{QUANTIZED_MTP_ENV}={env.get(QUANTIZED_MTP_ENV)!r} is not valid; expected one of {', '.join(_OPTIONS)}"
+        )
     return value
 
 
@@ -74,8 +75,10 @@ def draft_precision(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     value = env.get(DRAFT_PRECISION_ENV, "").strip().lower() or BF16
     if value not in _PRECISIONS:
-        raise MtpPrecisionError(f"{DRAFT_PRECISION_ENV}={env.get(DRAFT_PRECISION_ENV)!r} is not valid; "
-                                f"expected one of {', '.join(_PRECISIONS)}")
+        raise MtpPrecisionError(
+            f"{DRAFT_PRECISION_ENV}={env.get(DRAFT_PRECISION_ENV)!r} is not valid; "
+            f"expected one of {', '.join(_PRECISIONS)}"
+        )
     return value
 
 
@@ -84,7 +87,8 @@ def check_draft_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype not in DRAFT_DTYPES:
         raise MtpPrecisionError(
             f"the DeepSeek-V4 MTP draft runs in bfloat16 (or float32 for testing), but the engine dtype is "
-            f"{dtype}; start vLLM with dtype='bfloat16'")
+            f"{dtype}; start vLLM with dtype='bfloat16'"
+        )
     return dtype
 
 
@@ -93,7 +97,8 @@ def refusal(what: str, precision: str, source: str) -> MtpPrecisionError:
     return MtpPrecisionError(
         f"{source}: MTP {what} is {precision}, and {QUANTIZED_MTP_ENV}=refuse. Unset it (the default, "
         f"'dequantize', decodes quantized MTP weights exactly to BF16 at load), or use a checkpoint whose MTP "
-        "layer is stored BF16.")
+        "layer is stored BF16."
+    )
 
 
 def mtp_linear_modules(spec: DeepseekV4Spec) -> list[str]:
@@ -150,13 +155,17 @@ class DraftPlan:
     def admit(self, name: str, t: torch.Tensor) -> None:
         """The loader's hook for every quantized MTP weight / scale: refused under ``refuse``."""
         if self.quantized_mtp == REFUSE:
-            label = f"quantized (a block scale, {t.dtype})" if not name.endswith(".weight") else (
-                "FP8 (float8_e4m3fn)" if t.dtype == torch.float8_e4m3fn else f"packed FP4 ({t.dtype})")
+            label = (
+                f"quantized (a block scale, {t.dtype})"
+                if not name.endswith(".weight")
+                else ("FP8 (float8_e4m3fn)" if t.dtype == torch.float8_e4m3fn else f"packed FP4 ({t.dtype})")
+            )
             raise refusal(f"tensor {name}", f"stored {label}", self.source)
 
 
-def check_draft(hf_config: Any, model: str, dtype: torch.dtype, environ: Mapping[str, str] | None = None, *,
-                stored_ok: bool = False) -> DraftPlan:
+def check_draft(
+    hf_config: Any, model: str, dtype: torch.dtype, environ: Mapping[str, str] | None = None, *, stored_ok: bool = False
+) -> DraftPlan:
     """The draft's start-up checks, in order (module docstring); ``model`` is the checkpoint path or id;
     ``stored_ok``: the calling draft can compute ``VLLM_DSV4_MTP_DRAFT_PRECISION=stored``."""
     spec = spec_from_hf_config(hf_config)
@@ -165,7 +174,8 @@ def check_draft(hf_config: Any, model: str, dtype: torch.dtype, environ: Mapping
         raise MtpMissingError(
             f"{source}/config.json: num_nextn_predict_layers={spec.num_nextn_predict_layers}; speculative "
             "decoding with method 'mtp' needs the checkpoint's MTP layer (DeepSeek-V4 ships exactly 1). Serve "
-            "this checkpoint without a speculative config.")
+            "this checkpoint without a speculative config."
+        )
     dtype = check_draft_dtype(dtype)
     names = mtp_tensor_names(source)
     if names is not None and not names:
@@ -173,21 +183,25 @@ def check_draft(hf_config: Any, model: str, dtype: torch.dtype, environ: Mapping
             f"{source}: speculative decoding with method 'mtp' needs the checkpoint's MTP layer, but it has no "
             f"MTP weights: no mtp.* tensor in its index or shards (config.json says num_nextn_predict_layers="
             f"{spec.num_nextn_predict_layers}). Serve it without a speculative config, or use a checkpoint that "
-            "ships its MTP layer.")
+            "ships its MTP layer."
+        )
     option = quantized_mtp_option(environ)
     precision = draft_precision(environ)
     if precision == STORED and option == REFUSE:
         raise MtpPrecisionError(
             f"{DRAFT_PRECISION_ENV}=stored computes the MTP layer as the checkpoint stores it, but "
-            f"{QUANTIZED_MTP_ENV}=refuse refuses a quantized MTP layer; unset one of them")
+            f"{QUANTIZED_MTP_ENV}=refuse refuses a quantized MTP layer; unset one of them"
+        )
     if precision == STORED and not stored_ok:
         raise MtpPrecisionError(
             f"{DRAFT_PRECISION_ENV}=stored: this MTP draft computes in BF16 only; unset it (the default, 'bf16', "
-            "decodes the stored weights exactly and keeps activations unquantized)")
+            "decodes the stored weights exactly and keeps activations unquantized)"
+        )
     declared = declared_mtp_precisions(spec)
     if declared and option == REFUSE:
         first = sorted(declared)[0]
         more = f" (and {len(declared) - 1} more MTP modules)" if len(declared) > 1 else ""
-        raise refusal(f"module {first}{more}", f"declared {declared[first]} by quantization_config",
-                      f"{source}/config.json")
+        raise refusal(
+            f"module {first}{more}", f"declared {declared[first]} by quantization_config", f"{source}/config.json"
+        )
     return DraftPlan(spec, source, dtype, option, declared, precision)

@@ -69,7 +69,7 @@ class PortableDeepseekV4QuantConfig(PortableConfigBase):
         return NAME
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "PortableDeepseekV4QuantConfig":
+    def from_config(cls, config: dict[str, Any]) -> PortableDeepseekV4QuantConfig:
         return cls(config)
 
     @classmethod

@@ -24,8 +24,10 @@ TARGET_ARCH = "DeepseekV4ForCausalLM"
 DRAFT_ARCH = "DeepSeekV4MTPModel"
 PLANS: dict[str, dict[str, str]] = {
     platform.IN_TREE: {DRAFT_ARCH: "vllm_dsv4_mtp.gfx950.draft:DeepSeekV4MTPModel"},
-    platform.PORTABLE: {TARGET_ARCH: "vllm_dsv4_mtp.model.deepseek_v4:DeepseekV4ForCausalLM",
-                        DRAFT_ARCH: "vllm_dsv4_mtp.model.mtp:DeepSeekV4MTPModel"},
+    platform.PORTABLE: {
+        TARGET_ARCH: "vllm_dsv4_mtp.model.deepseek_v4:DeepseekV4ForCausalLM",
+        DRAFT_ARCH: "vllm_dsv4_mtp.model.mtp:DeepSeekV4MTPModel",
+    },
 }
 UNSUPPORTED = "vllm_dsv4_mtp.unsupported:UnsupportedVllm"
 DISABLE_ENV = "VLLM_DSV4_MTP_DISABLE"
@@ -67,12 +69,16 @@ def register_models() -> bool:
         for arch in refused:
             ModelRegistry.register_model(arch, UNSUPPORTED)
         if impl == platform.IN_TREE:
-            what = ("the MTP draft will not start; vLLM's own DeepSeek-V4 target serves without a speculative "
-                    "config")
+            what = "the MTP draft will not start; vLLM's own DeepSeek-V4 target serves without a speculative config"
         else:
             what = "DeepSeek-V4 will not start"
-        log.error("vllm-dsv4-mtp plugin: %s; %s (refused: %s; set %s=1 to use vLLM's own classes)", e, what,
-                  ", ".join(refused), DISABLE_ENV)
+        log.error(
+            "vllm-dsv4-mtp plugin: %s; %s (refused: %s; set %s=1 to use vLLM's own classes)",
+            e,
+            what,
+            ", ".join(refused),
+            DISABLE_ENV,
+        )
         _registered = True
         return True
     models = models_for(impl)
@@ -80,6 +86,7 @@ def register_models() -> bool:
         ModelRegistry.register_model(arch, ref)
     if impl == platform.PORTABLE:
         import vllm_dsv4_mtp.portable_quant_config  # noqa: F401  (registers "dsv4_mtp_portable")
+
         what = "portable DeepSeek-V4 target and BF16 MTP draft"
     else:
         what = "vLLM's in-tree DeepSeek-V4 target (AITER) + the plugin's BF16 MTP draft"
@@ -87,6 +94,11 @@ def register_models() -> bool:
 
     register_config_format()  # --config-format dsv4_mtp: config.json checked before vLLM's SpeculativeConfig
     _registered = True
-    log.info("vllm-dsv4-mtp plugin (%s): %s; %s (set %s=1 to use vLLM's own classes only)", impl, what,
-             ", ".join(f"{a} -> {r}" for a, r in models.items()), DISABLE_ENV)
+    log.info(
+        "vllm-dsv4-mtp plugin (%s): %s; %s (set %s=1 to use vLLM's own classes only)",
+        impl,
+        what,
+        ", ".join(f"{a} -> {r}" for a, r in models.items()),
+        DISABLE_ENV,
+    )
     return True

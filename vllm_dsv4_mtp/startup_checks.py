@@ -47,7 +47,8 @@ def check_config(model: str | Path, config: dict, *, mtp_draft: bool) -> None:
     if mtp_draft and spec.num_nextn_predict_layers == 0:
         raise StartupCheckError(
             f"{source}: num_nextn_predict_layers = 0: the checkpoint has no MTP layer, so it cannot be served with "
-            f"speculative_config method 'mtp'; serve it without a speculative config")
+            f"speculative_config method 'mtp'; serve it without a speculative config"
+        )
 
 
 def _own_tokenizer_wanted(argv: list[str] | None = None) -> bool:
@@ -99,8 +100,9 @@ def register_config_format() -> None:
         def parse(self, model, trust_remote_code, revision=None, code_revision=None, **kwargs):
             if Path(model).is_dir() and not (Path(model) / "config.json").is_file():
                 # transformers would say "Should have a `model_type` key in its config.json"
-                raise StartupCheckError(f"{Path(model) / 'config.json'}: not found: a checkpoint directory needs "
-                                        f"its config.json")
+                raise StartupCheckError(
+                    f"{Path(model) / 'config.json'}: not found: a checkpoint directory needs its config.json"
+                )
             overrides = kwargs.get("hf_overrides")
             config_dict, config = super().parse(model, trust_remote_code, revision, code_revision, **kwargs)
             if config_dict.get("model_type") == "deepseek_v4":
@@ -131,4 +133,5 @@ def check_step_budget(vllm_config) -> None:
             f"prefill is off (vLLM's CPU platform turns it off for model_type deepseek_v4 unless "
             f"VLLM_MLA_DISABLE=1) and a step schedules at most {budget} tokens (--max-num-batched-tokens), "
             f"while --max-model-len is {max_len}. Give --max-num-batched-tokens >= {max_len}, lower "
-            f"--max-model-len, or keep chunked prefill on with VLLM_MLA_DISABLE=1")
+            f"--max-model-len, or keep chunked prefill on with VLLM_MLA_DISABLE=1"
+        )

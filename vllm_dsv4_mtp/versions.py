@@ -43,8 +43,8 @@ def installed_vllm() -> tuple[str, str]:
         except md.PackageNotFoundError:  # stale top_level entry
             continue
     raise UnsupportedVllmError(
-        "vLLM is not installed (no distribution provides the 'vllm' package); the plugin needs vLLM "
-        f"{SUPPORTED_VLLM}")
+        f"vLLM is not installed (no distribution provides the 'vllm' package); the plugin needs vLLM {SUPPORTED_VLLM}"
+    )
 
 
 def is_supported(version: str, spec: str | None = None) -> bool:
@@ -64,13 +64,13 @@ def check_vllm_version(version: str | None = None) -> str:
     if not is_supported(version):
         raise UnsupportedVllmError(
             f"{dist} {version} is installed, but vllm-dsv4-mtp supports vLLM {SUPPORTED_VLLM} "
-            f"(declared in vllm_dsv4_mtp/versions.py)")
+            f"(declared in vllm_dsv4_mtp/versions.py)"
+        )
     return version
 
 
 def plugin_entry_points() -> list[md.EntryPoint]:
-    return [ep for ep in md.entry_points(group=PLUGIN_ENTRY_GROUP)
-            if ep.value.startswith(PLUGIN_ENTRY_VALUE_PREFIX)]
+    return [ep for ep in md.entry_points(group=PLUGIN_ENTRY_GROUP) if ep.value.startswith(PLUGIN_ENTRY_VALUE_PREFIX)]
 
 
 def unmet_requirements(dist: str = PLUGIN_DIST) -> list[str]:
@@ -105,8 +105,10 @@ def verify_installation() -> list[str]:
         problems.append(f"the plugin distribution {PLUGIN_DIST} is not installed")
         return problems
     if not plugin_entry_points():
-        problems.append(f"no '{PLUGIN_ENTRY_GROUP}' entry point pointing into {PLUGIN_ENTRY_VALUE_PREFIX} is "
-                        "visible: vLLM would not load the plugin")
+        problems.append(
+            f"no '{PLUGIN_ENTRY_GROUP}' entry point pointing into {PLUGIN_ENTRY_VALUE_PREFIX} is "
+            "visible: vLLM would not load the plugin"
+        )
     problems += unmet_requirements()
     return problems
 
@@ -119,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     dist, version = installed_vllm()
     eps = ", ".join(f"{ep.name} = {ep.value}" for ep in plugin_entry_points())
-    print(f"vllm-dsv4-mtp {md.version(PLUGIN_DIST)} ok: {dist} {version} (supported {SUPPORTED_VLLM}); "
-          f"entry point {eps}")
+    print(
+        f"vllm-dsv4-mtp {md.version(PLUGIN_DIST)} ok: {dist} {version} (supported {SUPPORTED_VLLM}); entry point {eps}"
+    )
     return 0
 
 

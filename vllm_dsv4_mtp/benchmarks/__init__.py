@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
 def report(table: str, result: Any, json_path: str | None) -> int:

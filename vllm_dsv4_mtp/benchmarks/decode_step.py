@@ -55,8 +55,16 @@ PROMPT_LEN = 100
 MTP_TOKENS = 64
 MTP_BATCH1_REQUESTS = 8
 IDLE_S = 1.5  # > the 1 s vLLM's idle workers keep polling (quiet)
-ENGINE_FLAGS = dict(dtype="bfloat16", enforce_eager=True, max_model_len=4096, max_num_seqs=64,
-                    skip_tokenizer_init=True, enable_prefix_caching=False, seed=0, disable_log_stats=False)
+ENGINE_FLAGS = dict(
+    dtype="bfloat16",
+    enforce_eager=True,
+    max_model_len=4096,
+    max_num_seqs=64,
+    skip_tokenizer_init=True,
+    enable_prefix_caching=False,
+    seed=0,
+    disable_log_stats=False,
+)
 
 
 def model_dirs(tmp: str) -> dict[str, str]:
@@ -67,13 +75,18 @@ def model_dirs(tmp: str) -> dict[str, str]:
 
     for d in (BF16_CHECKPOINT_DIR, MXFP4_CHECKPOINT_DIR):  # the benchmark measures the shipped models only
         if not has_checkpoint(d):
-            raise SystemExit(f"decode_step: error: no checkpoint at {d}: the embedded models ship with the "
-                             "repository, not the wheel (run it in a clone)")
+            raise SystemExit(
+                f"decode_step: error: no checkpoint at {d}: the embedded models ship with the "
+                "repository, not the wheel (run it in a clone)"
+            )
 
     with open(BF16_CHECKPOINT_DIR / "config.json") as f:
         vocab = json.load(f)["vocab_size"]
-    return {"floor": str(build_floor_checkpoint(f"{tmp}/floor", vocab_size=vocab)),
-            "bf16": str(BF16_CHECKPOINT_DIR), "mxfp4": str(MXFP4_CHECKPOINT_DIR)}
+    return {
+        "floor": str(build_floor_checkpoint(f"{tmp}/floor", vocab_size=vocab)),
+        "bf16": str(BF16_CHECKPOINT_DIR),
+        "mxfp4": str(MXFP4_CHECKPOINT_DIR),
+    }
 
 
 def start_engine(ckpt: str, mtp_k: int | None = None, draft: str | None = None):
@@ -166,8 +179,10 @@ def context_sample(llm, prompts: list[list[int]], n_decode: int) -> float:
     (out,) = llm.generate([{"prompt_token_ids": prompts[0]}], greedy(n_decode), use_tqdm=False)
     m = out.metrics
     if m is None or not m.last_token_ts > m.first_token_ts > 0 or len(out.outputs[0].token_ids) != n_decode:
-        raise RuntimeError(f"context_sample: no first / last token times for a {n_decode}-token request (vLLM "
-                           f"fills them where stats are logged: ENGINE_FLAGS' disable_log_stats=False): {m}")
+        raise RuntimeError(
+            f"context_sample: no first / last token times for a {n_decode}-token request (vLLM "
+            f"fills them where stats are logged: ENGINE_FLAGS' disable_log_stats=False): {m}"
+        )
     return 1000 * (m.last_token_ts - m.first_token_ts) / (n_decode - 1)
 
 
@@ -176,9 +191,11 @@ def positive_median(samples: list[float], n_decode: int) -> float:
     prefill's above all, exceeded ``N - 1`` decode steps: a larger ``N`` is needed)."""
     ms = statistics.median(samples)
     if ms <= 0:
-        raise RuntimeError(f"decode step measured {ms:.3f} ms over {n_decode - 1} steps (per repetition: "
-                           f"{[round(v, 3) for v in samples]}): timing noise exceeded the decode time; use a "
-                           "larger --decode")
+        raise RuntimeError(
+            f"decode step measured {ms:.3f} ms over {n_decode - 1} steps (per repetition: "
+            f"{[round(v, 3) for v in samples]}): timing noise exceeded the decode time; use a "
+            "larger --decode"
+        )
     return ms
 
 
@@ -217,8 +234,9 @@ def e2e_once(llm, prompts: list[list[int]], batch: int) -> tuple[float, list[lis
 def paired_ratios(samples: dict[str, list[float]], base: str) -> dict[str, float]:
     """Per engine, the median over repetitions of its sample over ``base``'s sample of the same repetition
     (taken seconds apart, so a drift of the machine between repetitions cancels)."""
-    return {m: round(statistics.median(a / b for a, b in zip(s, samples[base])), 3)
-            for m, s in samples.items() if m != base}
+    return {
+        m: round(statistics.median(a / b for a, b in zip(s, samples[base])), 3) for m, s in samples.items() if m != base
+    }
 
 
 def measure_steps(llms: dict, vocab: int, args) -> dict[str, dict]:
@@ -252,7 +270,8 @@ def measure_steps(llms: dict, vocab: int, args) -> dict[str, dict]:
         first, last = args.contexts[0], args.contexts[-1]
         for m in names:
             out[m]["context_span_ratio"] = paired_ratios(
-                {"last": samples["context", last, m], "first": samples["context", first, m]}, "first")["last"]
+                {"last": samples["context", last, m], "first": samples["context", first, m]}, "first"
+            )["last"]
     return out
 
 
@@ -292,14 +311,18 @@ def measure_mtp(name: str, ckpt: str, off_llm, vocab: int, tmp: str, args) -> di
                 acc = acc.since(before)
             length = None if acc is None else acc.mean_acceptance_length
             speedup = statistics.median(off / on for off, on in zip(times["off"], times["on"]))
-            res[b] = {"off_s": round(statistics.median(times["off"]), 3),
-                      "on_s": round(statistics.median(times["on"]), 3), "speedup": round(speedup, 3),
-                      "off_s_reps": [round(v, 3) for v in times["off"]],
-                      "on_s_reps": [round(v, 3) for v in times["on"]],
-                      "mean_acceptance_length": None if length is None else round(length, 3),
-                      "step_in_off_steps": None if length is None else round(length / speedup, 3),
-                      "identical": sum(a == c for a, c in zip(toks["off"], toks["on"])), "requests": len(p),
-                      **phase_summary(split)}
+            res[b] = {
+                "off_s": round(statistics.median(times["off"]), 3),
+                "on_s": round(statistics.median(times["on"]), 3),
+                "speedup": round(speedup, 3),
+                "off_s_reps": [round(v, 3) for v in times["off"]],
+                "on_s_reps": [round(v, 3) for v in times["on"]],
+                "mean_acceptance_length": None if length is None else round(length, 3),
+                "step_in_off_steps": None if length is None else round(length / speedup, 3),
+                "identical": sum(a == c for a, c in zip(toks["off"], toks["on"])),
+                "requests": len(p),
+                **phase_summary(split),
+            }
     return res
 
 
@@ -357,39 +380,49 @@ def render(results: list[dict]) -> str:
     lines.append("| ms per decode step | " + " | ".join(f"batch {b}" for b in batches) + " |")
     lines.append("|---|" + "---:|" * len(batches))
     for r in results:
-        lines.append(f"| {label.get(r['model'], r['model'])} | " + " | ".join(cell(r, "batch", b) for b in batches)
-                     + " |")
+        lines.append(
+            f"| {label.get(r['model'], r['model'])} | " + " | ".join(cell(r, "batch", b) for b in batches) + " |"
+        )
     ctx = list(results[0]["context_ms"])
     lines.append("")
-    lines.append("| ms per decode step, batch 1 | " + " | ".join(f"{c:,}-token context" for c in ctx)
-                 + f" | {ctx[-1]:,} / {ctx[0]:,} |")
+    lines.append(
+        "| ms per decode step, batch 1 | "
+        + " | ".join(f"{c:,}-token context" for c in ctx)
+        + f" | {ctx[-1]:,} / {ctx[0]:,} |"
+    )
     lines.append("|---|" + "---:|" * (len(ctx) + 1))
     for r in results:
         c = r["context_ms"]
         span = r.get("context_span_ratio", c[ctx[-1]] / c[ctx[0]])  # paired within repetitions (measure_steps)
-        lines.append(f"| {label.get(r['model'], r['model'])} | " + " | ".join(f"{c[k]:.2f}" for k in ctx)
-                     + f" | {span:.2f}x |")
+        lines.append(
+            f"| {label.get(r['model'], r['model'])} | " + " | ".join(f"{c[k]:.2f}" for k in ctx) + f" | {span:.2f}x |"
+        )
     mtp = [r for r in results if r.get("mtp")]
     if mtp:
         lines.append("")
-        lines.append("| K=2 end-to-end, 64 tokens | batch | off (s) | K=2 (s) | speedup | mean acceptance length "
-                     "| K=2 step in off steps | first-token phase off / K=2 (s) | decode phase speedup "
-                     "| outputs == off |")
+        lines.append(
+            "| K=2 end-to-end, 64 tokens | batch | off (s) | K=2 (s) | speedup | mean acceptance length "
+            "| K=2 step in off steps | first-token phase off / K=2 (s) | decode phase speedup "
+            "| outputs == off |"
+        )
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in mtp:
             what = "vLLM floor, 1-layer random draft" if r["model"] == "floor" else f"{label[r['model']]}, MTP"
             for b, m in r["mtp"].items():
                 step = "-" if m["step_in_off_steps"] is None else f"{m['step_in_off_steps']:.2f}"
                 first = m["first_token_s"]
-                lines.append(f"| {what} | {b} | {m['off_s']:.2f} | {m['on_s']:.2f} | {m['speedup']:.2f}x | "
-                             f"{m['mean_acceptance_length']} | {step} | {first['off']:.2f} / {first['on']:.2f} | "
-                             f"{m['decode_speedup']:.2f}x | {m['identical']}/{m['requests']} |")
+                lines.append(
+                    f"| {what} | {b} | {m['off_s']:.2f} | {m['on_s']:.2f} | {m['speedup']:.2f}x | "
+                    f"{m['mean_acceptance_length']} | {step} | {first['off']:.2f} / {first['on']:.2f} | "
+                    f"{m['decode_speedup']:.2f}x | {m['identical']}/{m['requests']} |"
+                )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vllm_dsv4_mtp.benchmarks.decode_step",
-                                 description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m vllm_dsv4_mtp.benchmarks.decode_step", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--models", nargs="+", default=["floor", "bf16", "mxfp4"], choices=["floor", "bf16", "mxfp4"])
     ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     ap.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
@@ -410,10 +443,11 @@ def main(argv: list[str] | None = None) -> int:
         dirs = model_dirs(tmp)
         results = measure(args.models, dirs, tmp, args)
     print(f"machine: {json.dumps(machine())}; load average at the end: {os.getloadavg()}")
-    print(f"medians of {args.reps} interleaved runs (ratios: medians of paired samples); decode step = "
-          f"(t(prefill + {args.decode}) - t(prefill + 1)) / {args.decode - 1}; flags {ENGINE_FLAGS}")
-    out = {"machine": machine(), "reps": args.reps, "decode": args.decode, "flags": ENGINE_FLAGS,
-           "results": results}
+    print(
+        f"medians of {args.reps} interleaved runs (ratios: medians of paired samples); decode step = "
+        f"(t(prefill + {args.decode}) - t(prefill + 1)) / {args.decode - 1}; flags {ENGINE_FLAGS}"
+    )
+    out = {"machine": machine(), "reps": args.reps, "decode": args.decode, "flags": ENGINE_FLAGS, "results": results}
     return report(render(results), out, args.json)
 
 

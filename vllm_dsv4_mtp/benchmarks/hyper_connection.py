@@ -4,7 +4,8 @@
     git show 8d90f1e:vllm_dsv4_mtp/model/hyper_connection.py > /tmp/hc_before.py
     .venv/bin/python vllm_dsv4_mtp/benchmarks/hyper_connection.py --module-file /tmp/hc_before.py   # an older version
 
-    .venv/bin/python vllm_dsv4_mtp/benchmarks/hyper_connection.py --decode-ops vllm_dsv4_mtp/embedded/assets/tiny-dsv4-bf16
+    .venv/bin/python vllm_dsv4_mtp/benchmarks/hyper_connection.py --decode-ops \
+        vllm_dsv4_mtp/embedded/assets/tiny-dsv4-bf16
 
 For each dtype and T it times the modules' public calls (``HyperConnection.pre`` / ``.post``,
 ``HyperHead``: what the decoder layer runs, fused kernel where it applies) and the torch functions
@@ -35,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 def _load(path: str | None):
     if path is None:
         from vllm_dsv4_mtp.model import hyper_connection
+
         return hyper_connection
     spec = importlib.util.spec_from_file_location("hc_under_test", path)
     mod = importlib.util.module_from_spec(spec)
@@ -140,8 +142,10 @@ def _decode_ops(ckpt: str, module_file: str | None, dtype: str) -> None:
     (a1, m1), (a33, m33) = count(1), count(33)
     step_ms = (seconds(33) - seconds(1)) / 32 * 1e3
     print(f"module {hc_mod.__file__}; checkpoint {ckpt}; {dtype}")
-    print(f"ops per decode step (batch 1): {(a33 - a1) / 32:.0f}, of which mHC: {(m33 - m1) / 32:.0f}; "
-          f"ms per decode step (fastest of 7, unprofiled): {step_ms:.2f}")
+    print(
+        f"ops per decode step (batch 1): {(a33 - a1) / 32:.0f}, of which mHC: {(m33 - m1) / 32:.0f}; "
+        f"ms per decode step (fastest of 7, unprofiled): {step_ms:.2f}"
+    )
 
 
 def main() -> None:
@@ -157,8 +161,10 @@ def main() -> None:
         return _decode_ops(args.decode_ops, args.module_file, args.dtype)
     torch.set_num_threads(1)
     hc_mod = _load(args.module_file)
-    print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, 1 thread, D={args.hidden}, "
-          f"hc={args.hc}, 20 Sinkhorn iterations; module {hc_mod.__file__}")
+    print(
+        f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, 1 thread, D={args.hidden}, "
+        f"hc={args.hc}, 20 Sinkhorn iterations; module {hc_mod.__file__}"
+    )
     print("\n| dtype | call | " + " | ".join(f"T={t}: ops (top) / us" for t in args.tokens) + " |")
     print("|---|---|" + "---:|" * len(args.tokens))
     with torch.no_grad():

@@ -159,38 +159,62 @@ def mtp_costs(results: list[dict]) -> list[dict]:
             o, m = off.get((r["model"], b)), v["ms"]
             if o is None:
                 continue
-            rel = {"verify": (m["forward"] - o["forward"]) / o["step"], "draft": m["draft"] / o["step"],
-                   "vllm_spec": (m["vllm"] - o["vllm"]) / o["step"]}
-            rows.append({"model": r["model"], "batch": b, "mtp_k": k, "off_step_ms": o["step"],
-                         "step_ms": m["step"], "step_in_off_steps": round(m["step"] / o["step"], 3),
-                         **{p: round(x, 3) for p, x in rel.items()},
-                         "ceiling_free_draft": round((k + 1) / (1 + rel["verify"] + rel["vllm_spec"]), 3),
-                         "ceiling_free_draft_verify": round((k + 1) / (1 + rel["vllm_spec"]), 3)})
+            rel = {
+                "verify": (m["forward"] - o["forward"]) / o["step"],
+                "draft": m["draft"] / o["step"],
+                "vllm_spec": (m["vllm"] - o["vllm"]) / o["step"],
+            }
+            rows.append(
+                {
+                    "model": r["model"],
+                    "batch": b,
+                    "mtp_k": k,
+                    "off_step_ms": o["step"],
+                    "step_ms": m["step"],
+                    "step_in_off_steps": round(m["step"] / o["step"], 3),
+                    **{p: round(x, 3) for p, x in rel.items()},
+                    "ceiling_free_draft": round((k + 1) / (1 + rel["verify"] + rel["vllm_spec"]), 3),
+                    "ceiling_free_draft_verify": round((k + 1) / (1 + rel["vllm_spec"]), 3),
+                }
+            )
     return rows
 
 
 def render(results: list[dict]) -> str:
     parts = ("step", "attention", "moe", "rest_of_forward", "draft", "draft_attention", "vllm")
-    lines = ["| model, batch | " + " | ".join(f"{p} ms (aten ops)" for p in parts) + " |",
-             "|---|" + "---:|" * len(parts)]
+    lines = [
+        "| model, batch | " + " | ".join(f"{p} ms (aten ops)" for p in parts) + " |",
+        "|---|" + "---:|" * len(parts),
+    ]
     for r in results:
         mtp = f", MTP K={r['mtp_k']}" if r["mtp_k"] else ""
         for b, v in r["batches"].items():
-            lines.append(f"| {r['model']}{mtp}, {b} | " + " | ".join(
-                f"{v['ms'][p]:.2f} ({v['aten_ops'].get(p, 0):,})" for p in parts) + " |")
+            lines.append(
+                f"| {r['model']}{mtp}, {b} | "
+                + " | ".join(f"{v['ms'][p]:.2f} ({v['aten_ops'].get(p, 0):,})" for p in parts)
+                + " |"
+            )
     costs = mtp_costs(results)
     if costs:
-        lines += ["", "| in MTP-off steps | MTP-off step ms | K-draft step | verify | draft | vLLM's speculative "
-                  "work | speedup ceiling: free draft | free draft and verify |", "|---|" + "---:|" * 7]
-        lines += [f"| {c['model']}, K={c['mtp_k']}, batch {c['batch']} | {c['off_step_ms']:.2f} | "
-                  f"{c['step_in_off_steps']:.2f} | {c['verify']:+.2f} | {c['draft']:.2f} | {c['vllm_spec']:+.2f} | "
-                  f"{c['ceiling_free_draft']:.2f}x | {c['ceiling_free_draft_verify']:.2f}x |" for c in costs]
+        lines += [
+            "",
+            "| in MTP-off steps | MTP-off step ms | K-draft step | verify | draft | vLLM's speculative "
+            "work | speedup ceiling: free draft | free draft and verify |",
+            "|---|" + "---:|" * 7,
+        ]
+        lines += [
+            f"| {c['model']}, K={c['mtp_k']}, batch {c['batch']} | {c['off_step_ms']:.2f} | "
+            f"{c['step_in_off_steps']:.2f} | {c['verify']:+.2f} | {c['draft']:.2f} | {c['vllm_spec']:+.2f} | "
+            f"{c['ceiling_free_draft']:.2f}x | {c['ceiling_free_draft_verify']:.2f}x |"
+            for c in costs
+        ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vllm_dsv4_mtp.benchmarks.step_parts",
-                                 description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m vllm_dsv4_mtp.benchmarks.step_parts", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--models", nargs="+", default=["floor", "bf16", "mxfp4"], choices=["floor", "bf16", "mxfp4"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 64])
     ap.add_argument("--steps", type=int, default=24, help="decode steps timed per batch")
@@ -208,8 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         dirs = model_dirs(tmp)
         results = [measure(m, dirs[m], args.batches, args.steps) for m in args.models]
         if args.mtp_k:
-            results += [measure(m, dirs[m], args.batches, args.steps, args.mtp_k) for m in args.models
-                        if m != "floor"]
+            results += [measure(m, dirs[m], args.batches, args.steps, args.mtp_k) for m in args.models if m != "floor"]
     return report(render(results), {"results": results, "mtp_costs": mtp_costs(results)}, args.json)
 
 

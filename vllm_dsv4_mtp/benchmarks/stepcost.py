@@ -65,8 +65,7 @@ PARTS = ("target", "target_logits", "draft", "draft_logits")  # disjoint; the re
 SUBPARTS = ("target_attention", "target_moe", "draft_attention", "draft_moe")  # inside target / draft
 
 
-def summarize(per_request: list[list[Record]], output_tokens: list[int],
-              keep_quantile: float = 0.9) -> dict:
+def summarize(per_request: list[list[Record]], output_tokens: list[int], keep_quantile: float = 0.9) -> dict:
     """Per decode step (every target forward after a request's first, the prefill): step time, and the time of
     each part inside it, in ms, averaged over the decode steps no slower than the ``keep_quantile`` quantile
     of step time (on a shared machine the slowest steps are other processes' interference, not the model;
@@ -96,9 +95,17 @@ def summarize(per_request: list[list[Record]], output_tokens: list[int],
     kept = [st for st in steps if st["step"] <= cut]
     step_ms = statistics.fmean(st["step"] for st in kept)
     tokens_per_step = (sum(output_tokens) - len(output_tokens)) / n_steps
-    out = {"decode_steps": n_steps, "steps_kept": len(kept), "step_ms": round(step_ms, 3),
-           "step_mean_all_ms": round(statistics.fmean(all_ms), 3), "step_p50_ms": round(statistics.median(all_ms), 3),
-           "tokens_per_step": round(tokens_per_step, 3), "parts_ms": {}, "calls_per_step": {}, "tokens_per_call": {}}
+    out = {
+        "decode_steps": n_steps,
+        "steps_kept": len(kept),
+        "step_ms": round(step_ms, 3),
+        "step_mean_all_ms": round(statistics.fmean(all_ms), 3),
+        "step_p50_ms": round(statistics.median(all_ms), 3),
+        "tokens_per_step": round(tokens_per_step, 3),
+        "parts_ms": {},
+        "calls_per_step": {},
+        "tokens_per_call": {},
+    }
     covered = 0.0
     for part in PARTS:
         if not tokens[part]:
@@ -109,8 +116,9 @@ def summarize(per_request: list[list[Record]], output_tokens: list[int],
         out["calls_per_step"][part] = round(statistics.fmean(st[part + "_calls"] for st in steps), 3)
         out["tokens_per_call"][part] = round(statistics.fmean(tokens[part]), 3)
     out["parts_ms"]["other"] = round(step_ms - covered, 3)
-    out["subparts_ms"] = {part: round(statistics.fmean(st[part] for st in kept), 3) for part in SUBPARTS
-                          if tokens[part]}
+    out["subparts_ms"] = {
+        part: round(statistics.fmean(st[part] for st in kept), 3) for part in SUBPARTS if tokens[part]
+    }
     out["ms_per_output_token"] = round(step_ms / tokens_per_step, 3)
     return out
 
@@ -126,8 +134,17 @@ def measure(model: str, mtp_k: int | None, prompts: list[str], max_tokens: int) 
     from vllm_dsv4_mtp.benchmarks.stepcost import install_hooks
 
     spec = None if mtp_k is None else {"method": "mtp", "num_speculative_tokens": mtp_k}
-    with running(LLM(model=model, dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enforce_eager=True,
-                     speculative_config=spec, disable_log_stats=False)) as llm:
+    with running(
+        LLM(
+            model=model,
+            dtype="bfloat16",
+            max_model_len=1024,
+            max_num_seqs=8,
+            enforce_eager=True,
+            speculative_config=spec,
+            disable_log_stats=False,
+        )
+    ) as llm:
         installed = llm.collective_rpc(install_hooks)[0]
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate([prompts[0]], sp, use_tqdm=False)  # warm-up
@@ -155,7 +172,9 @@ def explain(off: dict, on: dict) -> dict:
         "target_forward_1_token_ms": t1,
         f"target_forward_verify_{k + 1}_tokens_ms": tv,
         "draft_ms_per_step": round(draft, 3),
-        "draft_forward_ms_per_call": round(on["parts_ms"].get("draft", 0.0) / max(on["calls_per_step"].get("draft", 1), 1e-9), 3),
+        "draft_forward_ms_per_call": round(
+            on["parts_ms"].get("draft", 0.0) / max(on["calls_per_step"].get("draft", 1), 1e-9), 3
+        ),
         "other_off_ms": off["parts_ms"]["other"],
         "other_on_ms": on["parts_ms"]["other"],
         "mtp_step_ms": on["step_ms"],
@@ -185,9 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [prompt_for(p, shots) for p in load_problems(limit=args.num_problems)]
     off, off_texts = measure(args.model, None, prompts, args.max_tokens)
     on, on_texts = measure(args.model, args.mtp_k, prompts, args.max_tokens)
-    result = {"model": args.model, "machine": machine(), "num_fewshot": args.num_fewshot,
-              "max_tokens": args.max_tokens, "off": off, "on": on, "explain": explain(off, on),
-              "identical_outputs": sum(a == b for a, b in zip(off_texts, on_texts)), "requests": len(prompts)}
+    result = {
+        "model": args.model,
+        "machine": machine(),
+        "num_fewshot": args.num_fewshot,
+        "max_tokens": args.max_tokens,
+        "off": off,
+        "on": on,
+        "explain": explain(off, on),
+        "identical_outputs": sum(a == b for a, b in zip(off_texts, on_texts)),
+        "requests": len(prompts),
+    }
     text = json.dumps(result, indent=1)
     if args.json:
         with open(args.json, "w") as f:

@@ -71,8 +71,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
 
-    ckpt = args.ckpt or str(build_tiny_checkpoint(tempfile.mkdtemp(prefix="dsv4-bench-") + "/ck", tiny_config(),
-                                                  seed=0, experts=args.experts, tokenizer=False))
+    ckpt = args.ckpt or str(
+        build_tiny_checkpoint(
+            tempfile.mkdtemp(prefix="dsv4-bench-") + "/ck", tiny_config(), seed=0, experts=args.experts, tokenizer=False
+        )
+    )
     sampler = RssSampler()
     sampler.start()
     from vllm import LLM
@@ -81,12 +84,24 @@ def main(argv: list[str] | None = None) -> dict:
     from vllm_dsv4_mtp.benchmarks.decode_step import decode_step_ms
 
     t0 = time.perf_counter()
-    with running(LLM(model=ckpt, dtype=args.dtype, enforce_eager=True, max_model_len=1024, max_num_seqs=8,
-                     skip_tokenizer_init=True, enable_prefix_caching=False, seed=0)) as llm:
+    with running(
+        LLM(
+            model=ckpt,
+            dtype=args.dtype,
+            enforce_eager=True,
+            max_model_len=1024,
+            max_num_seqs=8,
+            skip_tokenizer_init=True,
+            enable_prefix_caching=False,
+            seed=0,
+        )
+    ) as llm:
         start_s = time.perf_counter() - t0
         g = torch.Generator().manual_seed(0)
-        batches = {"batch4": [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 130, 300, 520)],
-                   "batch1": [torch.randint(2, 512, (300,), generator=g).tolist()]}
+        batches = {
+            "batch4": [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 130, 300, 520)],
+            "batch1": [torch.randint(2, 512, (300,), generator=g).tolist()],
+        }
 
         result = {"experts": args.experts, "dtype": args.dtype, "engine_start_s": round(start_s, 1)}
         for name, prompts in batches.items():

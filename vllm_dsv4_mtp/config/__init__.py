@@ -7,6 +7,7 @@
 No torch import here: this package is imported by ``--help`` paths and by vLLM's plugin loader.
 """
 
+from vllm_dsv4_mtp.config.hf import spec_from_hf_config
 from vllm_dsv4_mtp.config.layout import (  # noqa: F401  (the stored dtypes of each precision, for inspect)
     FP4_OFFICIAL_SCALE,
     FP4_OFFICIAL_WEIGHT,
@@ -26,11 +27,23 @@ from vllm_dsv4_mtp.config.layout import (  # noqa: F401  (the stored dtypes of e
     scale_name,
     weight_slots,
 )
-from vllm_dsv4_mtp.config.hf import spec_from_hf_config
 from vllm_dsv4_mtp.config.spec import LAYER_TYPE_NAMES, MODULE_KINDS, ConfigError, DeepseekV4Spec
 
 __all__ = [
-    "ConfigError", "DeepseekV4Spec", "spec_from_hf_config", "TensorExpectation", "WeightSlot", "weight_slots", "expected_tensors",
-    "packed_fp4_shape", "mx_scale_shape", "fp8_block_scale_shape", "parameter_count", "quantized_expectations",
-    "scale_name", "PRECISIONS", "LAYER_TYPE_NAMES", "MODULE_KINDS",
+    "ConfigError",
+    "DeepseekV4Spec",
+    "spec_from_hf_config",
+    "TensorExpectation",
+    "WeightSlot",
+    "weight_slots",
+    "expected_tensors",
+    "packed_fp4_shape",
+    "mx_scale_shape",
+    "fp8_block_scale_shape",
+    "parameter_count",
+    "quantized_expectations",
+    "scale_name",
+    "PRECISIONS",
+    "LAYER_TYPE_NAMES",
+    "MODULE_KINDS",
 ]

@@ -44,8 +44,10 @@ def _native_schedule(d: Mapping[str, Any], source: str) -> dict[str, Any]:
     ``mlp_layer_types`` (MTP layers, which transformers drops, are sliding-window only)."""
     lt, rates = d.get("layer_types"), d.get("compress_rates")
     if not isinstance(lt, list) or not isinstance(rates, Mapping):
-        raise ConfigError(f"{source}: missing required field 'compress_ratios' (nor HF's 'layer_types' + "
-                          f"'compress_rates' to derive it from)")
+        raise ConfigError(
+            f"{source}: missing required field 'compress_ratios' (nor HF's 'layer_types' + "
+            f"'compress_rates' to derive it from)"
+        )
     ratios = []
     for i, name in enumerate(lt):
         if name == LAYER_TYPE_NAMES["swa"]:
@@ -64,5 +66,3 @@ def _native_schedule(d: Mapping[str, Any], source: str) -> dict[str, Any]:
             raise ConfigError(f"{source}: field 'mlp_layer_types': hash-routed layers must come first, got {mlp}")
         out["num_hash_layers"] = n_hash
     return out
-
-

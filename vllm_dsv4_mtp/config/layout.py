@@ -8,10 +8,10 @@ scales), which the loader, the quantizer, ``inspect`` and the capacity check sha
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
-from vllm_dsv4_mtp.config.spec import MX_GROUP, FP8_BLOCK, DeepseekV4Spec
+from vllm_dsv4_mtp.config.spec import FP8_BLOCK, MX_GROUP, DeepseekV4Spec
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,13 @@ def _block_slots(spec: DeepseekV4Spec, lid: int, add) -> None:
     add(a + "wq_b.weight", (H * hd, spec.q_lora_rank), "attention", lid, quantizable=_ATTN_Q)
     add(a + "wkv.weight", (hd, D), "attention", lid, quantizable=_ATTN_Q)
     add(a + "kv_norm.weight", (hd,), "norm_hc", lid)
-    add(a + "wo_a.weight", (spec.o_groups * spec.o_lora_rank, spec.o_group_in_dim), "attention", lid,
-        quantizable=_ATTN_Q)
+    add(
+        a + "wo_a.weight",
+        (spec.o_groups * spec.o_lora_rank, spec.o_group_in_dim),
+        "attention",
+        lid,
+        quantizable=_ATTN_Q,
+    )
     add(a + "wo_b.weight", (D, spec.o_groups * spec.o_lora_rank), "attention", lid, quantizable=_ATTN_Q)
     r = spec.compress_ratio(lid)
     if r > 1:
@@ -193,17 +198,21 @@ def quantized_expectations(slot: WeightSlot, precision: str) -> dict[str, Tensor
         return {
             slot.name: TensorExpectation(slot.shape, FP8_WEIGHT, kind, "weight", "fp8-block"),
             scale_name(slot.name, precision): TensorExpectation(
-                fp8_block_scale_shape(slot.shape), FP8_SCALE, kind, "scale", "fp8-block"),
+                fp8_block_scale_shape(slot.shape), FP8_SCALE, kind, "scale", "fp8-block"
+            ),
         }
     if precision in ("mxfp4", "fp4-official"):
         if slot.shape[1] % MX_GROUP:
-            raise ValueError(f"{slot.name}: input width {slot.shape[1]} is not a multiple of {MX_GROUP}; "
-                             f"it cannot be stored as {precision}")
+            raise ValueError(
+                f"{slot.name}: input width {slot.shape[1]} is not a multiple of {MX_GROUP}; "
+                f"it cannot be stored as {precision}"
+            )
         wd, sd = (MXFP4_WEIGHT, MXFP4_SCALE) if precision == "mxfp4" else (FP4_OFFICIAL_WEIGHT, FP4_OFFICIAL_SCALE)
         return {
             slot.name: TensorExpectation(packed_fp4_shape(slot.shape), wd, kind, "weight", precision),
-            scale_name(slot.name, precision): TensorExpectation(mx_scale_shape(slot.shape), sd, kind, "scale",
-                                                                precision),
+            scale_name(slot.name, precision): TensorExpectation(
+                mx_scale_shape(slot.shape), sd, kind, "scale", precision
+            ),
         }
     raise ValueError(f"unknown storage precision {precision!r}")
 

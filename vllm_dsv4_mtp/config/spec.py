@@ -9,9 +9,10 @@ No torch import here: this module is imported by ``--help`` paths and by vLLM's 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 #: HF transformers' names for the attention schedule (``layer_types``), keyed by how a ratio behaves.
 LAYER_TYPE_NAMES = {
@@ -109,8 +110,15 @@ _SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 
 
 def _type_name(types: tuple[type, ...]) -> str:
-    names = {int: "an integer", float: "a number", bool: "true/false", str: "a string", list: "a list",
-             dict: "an object", type(None): "null"}
+    names = {
+        int: "an integer",
+        float: "a number",
+        bool: "true/false",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
+    }
     if types == _NUM:
         return "a number"
     return " or ".join(names.get(t, t.__name__) for t in types)
@@ -178,7 +186,7 @@ class DeepseekV4Spec:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], source: str = "config.json") -> "DeepseekV4Spec":
+    def from_dict(cls, d: Mapping[str, Any], source: str = "config.json") -> DeepseekV4Spec:
         """Parse and validate a config dict; ``source`` (a file name) prefixes every error message."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
@@ -204,15 +212,21 @@ class DeepseekV4Spec:
             if isinstance(r, bool) or not isinstance(r, int):
                 raise ConfigError(f"{source}: field 'compress_ratios[{i}]' must be an integer, got {r!r}")
         kwargs["compress_ratios"] = tuple(ratios)
-        for name in ("compress_rope_theta", "routed_scaling_factor", "swiglu_limit", "rope_theta", "hc_eps",
-                     "rms_norm_eps"):
+        for name in (
+            "compress_rope_theta",
+            "routed_scaling_factor",
+            "swiglu_limit",
+            "rope_theta",
+            "hc_eps",
+            "rms_norm_eps",
+        ):
             kwargs[name] = float(kwargs[name])
         spec = cls(**kwargs, source=source)
         spec._validate(d)
         return spec
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "DeepseekV4Spec":
+    def from_dir(cls, path: str | Path) -> DeepseekV4Spec:
         """Read ``<path>/config.json`` (or ``path`` itself when it is a file)."""
         p = Path(path)
         f = p if p.is_file() else p / "config.json"
@@ -237,10 +251,27 @@ class DeepseekV4Spec:
 
     def _validate_ranges(self) -> None:
         """Each number on its own: counts and widths > 0, epsilons and thetas > 0."""
-        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                    "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window",
-                    "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok",
-                    "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters", "max_position_embeddings")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "head_dim",
+            "qk_rope_head_dim",
+            "q_lora_rank",
+            "o_lora_rank",
+            "o_groups",
+            "sliding_window",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+            "max_position_embeddings",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise self._err(f"field '{name}' must be > 0, got {getattr(self, name)}")
@@ -257,36 +288,52 @@ class DeepseekV4Spec:
         """Fields that must agree with each other, and the choices DeepSeek-V4 fixes (one KV head, one shared
         expert, noaux_tc routing, SiLU, untied head)."""
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim >= self.head_dim:
-            raise self._err(f"field 'qk_rope_head_dim' ({self.qk_rope_head_dim}) must be even and smaller than "
-                            f"'head_dim' ({self.head_dim}): the rope part is the last qk_rope_head_dim dims of a head")
+            raise self._err(
+                f"field 'qk_rope_head_dim' ({self.qk_rope_head_dim}) must be even and smaller than "
+                f"'head_dim' ({self.head_dim}): the rope part is the last qk_rope_head_dim dims of a head"
+            )
         if self.qk_rope_head_dim > self.index_head_dim:
-            raise self._err(f"field 'qk_rope_head_dim' ({self.qk_rope_head_dim}) must be <= 'index_head_dim' "
-                            f"({self.index_head_dim}): the indexer ropes its last qk_rope_head_dim dims")
+            raise self._err(
+                f"field 'qk_rope_head_dim' ({self.qk_rope_head_dim}) must be <= 'index_head_dim' "
+                f"({self.index_head_dim}): the indexer ropes its last qk_rope_head_dim dims"
+            )
         if self.num_attention_heads % self.o_groups:
-            raise self._err(f"field 'num_attention_heads' ({self.num_attention_heads}) must be divisible by "
-                            f"'o_groups' ({self.o_groups})")
+            raise self._err(
+                f"field 'num_attention_heads' ({self.num_attention_heads}) must be divisible by "
+                f"'o_groups' ({self.o_groups})"
+            )
         if self.num_key_value_heads != 1:
-            raise self._err(f"field 'num_key_value_heads' must be 1 (one shared latent KV), got "
-                            f"{self.num_key_value_heads}")
+            raise self._err(
+                f"field 'num_key_value_heads' must be 1 (one shared latent KV), got {self.num_key_value_heads}"
+            )
         if self.n_shared_experts != 1:
-            raise self._err(f"field 'n_shared_experts' must be 1 (DeepSeek-V4 has exactly one shared expert), got "
-                            f"{self.n_shared_experts}")
+            raise self._err(
+                f"field 'n_shared_experts' must be 1 (DeepSeek-V4 has exactly one shared expert), got "
+                f"{self.n_shared_experts}"
+            )
         if self.num_experts_per_tok > self.n_routed_experts:
-            raise self._err(f"field 'num_experts_per_tok' ({self.num_experts_per_tok}) must be <= "
-                            f"'n_routed_experts' ({self.n_routed_experts})")
+            raise self._err(
+                f"field 'num_experts_per_tok' ({self.num_experts_per_tok}) must be <= "
+                f"'n_routed_experts' ({self.n_routed_experts})"
+            )
         if self.num_hash_layers > self.num_hidden_layers:
-            raise self._err(f"field 'num_hash_layers' ({self.num_hash_layers}) must be <= 'num_hidden_layers' "
-                            f"({self.num_hidden_layers})")
+            raise self._err(
+                f"field 'num_hash_layers' ({self.num_hash_layers}) must be <= 'num_hidden_layers' "
+                f"({self.num_hidden_layers})"
+            )
         if self.scoring_func not in _SCORING_FUNCS:
             raise self._err(f"field 'scoring_func' must be one of {list(_SCORING_FUNCS)}, got {self.scoring_func!r}")
         if self.topk_method != "noaux_tc":
-            raise self._err(f"field 'topk_method' must be 'noaux_tc' (score-routed layers carry ffn.gate.bias, "
-                            f"used for selection only), got {self.topk_method!r}")
+            raise self._err(
+                f"field 'topk_method' must be 'noaux_tc' (score-routed layers carry ffn.gate.bias, "
+                f"used for selection only), got {self.topk_method!r}"
+            )
         if self.hidden_act != "silu":
             raise self._err(f"field 'hidden_act' must be 'silu', got {self.hidden_act!r}")
         if self.tie_word_embeddings:
-            raise self._err("field 'tie_word_embeddings' must be false: DeepSeek-V4 stores embed.weight and "
-                            "head.weight separately")
+            raise self._err(
+                "field 'tie_word_embeddings' must be false: DeepSeek-V4 stores embed.weight and head.weight separately"
+            )
         if self.expert_dtype is not None and self.expert_dtype not in ("fp4", "fp8", "bf16"):
             raise self._err(f"field 'expert_dtype' must be 'fp4', 'fp8' or 'bf16', got {self.expert_dtype!r}")
 
@@ -297,14 +344,18 @@ class DeepseekV4Spec:
             raise self._err(
                 f"field 'compress_ratios' has {len(self.compress_ratios)} entries, expected num_hidden_layers + "
                 f"num_nextn_predict_layers = {self.num_hidden_layers} + {self.num_nextn_predict_layers} = {n_total} "
-                f"(one per main layer, then one per MTP layer)")
+                f"(one per main layer, then one per MTP layer)"
+            )
         for i, r in enumerate(self.compress_ratios):
             if r < 0 or r == 1:
-                raise self._err(f"field 'compress_ratios[{i}]' = {r}: must be 0 (sliding window only) or a "
-                                f"compression ratio >= 2")
+                raise self._err(
+                    f"field 'compress_ratios[{i}]' = {r}: must be 0 (sliding window only) or a compression ratio >= 2"
+                )
             if i >= self.num_hidden_layers and r != 0:
-                raise self._err(f"field 'compress_ratios[{i}]' = {r} belongs to MTP layer "
-                                f"{i - self.num_hidden_layers}, which is sliding-window only: it must be 0")
+                raise self._err(
+                    f"field 'compress_ratios[{i}]' = {r} belongs to MTP layer "
+                    f"{i - self.num_hidden_layers}, which is sliding-window only: it must be 0"
+                )
 
     def _validate_rope_scaling(self) -> None:
         rs = self.rope_scaling
@@ -319,8 +370,9 @@ class DeepseekV4Spec:
                 raise self._err(f"field 'rope_scaling.{key}' must be a number > 0, got {v!r}")
         attention_factor = rs.get("attention_factor", 1.0)
         if attention_factor not in (None, 1.0):  # DeepSeek-V4's YaRN scales frequencies only
-            raise self._err(f"field 'rope_scaling.attention_factor' must be 1.0 for DeepSeek-V4, got "
-                            f"{attention_factor!r}")
+            raise self._err(
+                f"field 'rope_scaling.attention_factor' must be 1.0 for DeepSeek-V4, got {attention_factor!r}"
+            )
 
     def _validate_hf_layer_types(self, raw: Mapping[str, Any]) -> None:
         """An HF ``layer_types`` / ``compress_rates`` next to ``compress_ratios`` must say the same thing."""
@@ -328,8 +380,9 @@ class DeepseekV4Spec:
         if lt is None:
             return
         if not isinstance(lt, list) or len(lt) != self.num_hidden_layers:
-            raise self._err(f"field 'layer_types' must be a list of {self.num_hidden_layers} names (one per main "
-                            f"layer), got {lt!r}")
+            raise self._err(
+                f"field 'layer_types' must be a list of {self.num_hidden_layers} names (one per main layer), got {lt!r}"
+            )
         rates = raw.get("compress_rates")
         if rates is None:  # HF's default rates
             rates = {LAYER_TYPE_NAMES["overlap"]: 4, LAYER_TYPE_NAMES["dense"]: 128}
@@ -339,8 +392,10 @@ class DeepseekV4Spec:
             want = self.hf_layer_type(i)
             r = self.compress_ratios[i]
             if name != want or (r > 1 and rates.get(name) != r):
-                raise self._err(f"field 'layer_types[{i}]' = {name!r} (rate {rates.get(name)}) disagrees with "
-                                f"'compress_ratios[{i}]' = {r}")
+                raise self._err(
+                    f"field 'layer_types[{i}]' = {name!r} (rate {rates.get(name)}) disagrees with "
+                    f"'compress_ratios[{i}]' = {r}"
+                )
 
     # ------------------------------------------------------------------ layer schedule
     @property
@@ -405,12 +460,16 @@ class DeepseekV4Spec:
         """
         dense = sorted({r for r in self.compress_ratios[: self.num_hidden_layers] if r > 1 and r != OVERLAP_RATIO})
         if len(dense) > 1:
-            raise self._err(f"field 'compress_ratios': HF transformers supports one heavily-compressed ratio, "
-                            f"this config has {dense}")
+            raise self._err(
+                f"field 'compress_ratios': HF transformers supports one heavily-compressed ratio, "
+                f"this config has {dense}"
+            )
         return {
             "layer_types": [self.hf_layer_type(i) for i in range(self.num_hidden_layers)],
-            "compress_rates": {LAYER_TYPE_NAMES["overlap"]: OVERLAP_RATIO,
-                               LAYER_TYPE_NAMES["dense"]: dense[0] if dense else 128},
+            "compress_rates": {
+                LAYER_TYPE_NAMES["overlap"]: OVERLAP_RATIO,
+                LAYER_TYPE_NAMES["dense"]: dense[0] if dense else 128,
+            },
         }
 
     def layer_prefix(self, layer_id: int) -> str:
@@ -456,7 +515,7 @@ class DeepseekV4Spec:
 
     @property
     def softmax_scale(self) -> float:
-        return self.head_dim ** -0.5
+        return self.head_dim**-0.5
 
     def to_dict(self) -> dict[str, Any]:
         """The config.json fields (native names), ``quantization_config`` included when set."""

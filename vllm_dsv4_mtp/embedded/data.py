@@ -24,16 +24,44 @@ from vllm_dsv4_mtp.tools.tiny_tokenizer import save_tokenizer, train_bpe
 # --------------------------------------------------------------------------------------------- vocabulary
 
 NAMES = [
-    ("Tom", "He"), ("Anna", "She"), ("Ben", "He"), ("Lily", "She"), ("Sam", "He"), ("Mia", "She"),
-    ("Jack", "He"), ("Emma", "She"), ("Leo", "He"), ("Zoe", "She"), ("Max", "He"), ("Ella", "She"),
-    ("Noah", "He"), ("Ruby", "She"), ("Finn", "He"), ("Kate", "She"), ("Omar", "He"), ("Nina", "She"),
-    ("Paul", "He"), ("Rosa", "She"),
+    ("Tom", "He"),
+    ("Anna", "She"),
+    ("Ben", "He"),
+    ("Lily", "She"),
+    ("Sam", "He"),
+    ("Mia", "She"),
+    ("Jack", "He"),
+    ("Emma", "She"),
+    ("Leo", "He"),
+    ("Zoe", "She"),
+    ("Max", "He"),
+    ("Ella", "She"),
+    ("Noah", "He"),
+    ("Ruby", "She"),
+    ("Finn", "He"),
+    ("Kate", "She"),
+    ("Omar", "He"),
+    ("Nina", "She"),
+    ("Paul", "He"),
+    ("Rosa", "She"),
 ]
 # (plural, price range in dollars) for things that are bought, counted and shared
 ITEMS = [
-    ("apples", (1, 4)), ("pencils", (1, 3)), ("books", (5, 9)), ("cookies", (1, 3)), ("marbles", (1, 2)),
-    ("stickers", (1, 2)), ("toys", (4, 9)), ("cards", (1, 3)), ("eggs", (1, 2)), ("flowers", (2, 5)),
-    ("shells", (1, 2)), ("candies", (1, 2)), ("balloons", (1, 3)), ("oranges", (1, 4)), ("cupcakes", (2, 5)),
+    ("apples", (1, 4)),
+    ("pencils", (1, 3)),
+    ("books", (5, 9)),
+    ("cookies", (1, 3)),
+    ("marbles", (1, 2)),
+    ("stickers", (1, 2)),
+    ("toys", (4, 9)),
+    ("cards", (1, 3)),
+    ("eggs", (1, 2)),
+    ("flowers", (2, 5)),
+    ("shells", (1, 2)),
+    ("candies", (1, 2)),
+    ("balloons", (1, 3)),
+    ("oranges", (1, 4)),
+    ("cupcakes", (2, 5)),
 ]
 VEHICLES = ["car", "bus", "train", "bike", "boat", "truck"]
 CONTAINERS = ["boxes", "bags", "baskets", "jars"]
@@ -97,13 +125,12 @@ def t_shop_change(rng: random.Random) -> Problem:
 
 
 def t_shop_two(rng: random.Random) -> Problem:
-    (name, he), (items, (lo, hi)) = _person(rng), rng.choice(ITEMS)
+    (name, _he), (items, (lo, hi)) = _person(rng), rng.choice(ITEMS)
     n, price = rng.randint(2, 9), rng.randint(max(lo, 2), max(hi, 3))
     extra = rng.randint(2, 20)
     cost = n * price
     total = cost + extra
-    q = (f"{name} buys {n} {items} for ${price} each and a bag for ${extra}. "
-         f"How much money does {name} spend in total?")
+    q = f"{name} buys {n} {items} for ${price} each and a bag for ${extra}. How much money does {name} spend in total?"
     steps = [f"The {items} cost {n} * {price} = ${cost}.", f"In total {name} spends {cost} + {extra} = ${total}."]
     return {"question": q, "answer": _answer(steps, total)}
 
@@ -122,8 +149,10 @@ def t_share_two(rng: random.Random) -> Problem:
     total = k * each
     eat = rng.randint(1, 9)
     start = total + eat
-    q = (f"{name} has {start} {items}. {he} keeps {eat} and shares the rest equally among {k} friends. "
-         f"How many {items} does each friend get?")
+    q = (
+        f"{name} has {start} {items}. {he} keeps {eat} and shares the rest equally among {k} friends. "
+        f"How many {items} does each friend get?"
+    )
     steps = [f"{name} shares {start} - {eat} = {total} {items}.", f"Each friend gets {total} / {k} = {each} {items}."]
     return {"question": q, "answer": _answer(steps, each)}
 
@@ -143,8 +172,10 @@ def t_wage(rng: random.Random) -> Problem:
     h1, h2 = rng.randint(1, 5), rng.randint(1, 4)
     hours = h1 + h2
     pay = hours * wage
-    q = (f"{name} earns ${wage} an hour. {he} works {h1} hours on {d1} and {h2} hours on {d2}. "
-         f"How much money does {name} earn?")
+    q = (
+        f"{name} earns ${wage} an hour. {he} works {h1} hours on {d1} and {h2} hours on {d2}. "
+        f"How much money does {name} earn?"
+    )
     steps = [f"{name} works {h1} + {h2} = {hours} hours.", f"{name} earns {hours} * {wage} = ${pay}."]
     return {"question": q, "answer": _answer(steps, pay)}
 
@@ -156,8 +187,10 @@ def t_boxes(rng: random.Random) -> Problem:
     loose = rng.randint(1, 20)
     inside = n * per
     total = inside + loose
-    q = (f"{name} has {n} {box} with {per} {items} in each. {he} also has {loose} more {items}. "
-         f"How many {items} does {name} have in total?")
+    q = (
+        f"{name} has {n} {box} with {per} {items} in each. {he} also has {loose} more {items}. "
+        f"How many {items} does {name} have in total?"
+    )
     steps = [f"The {box} hold {n} * {per} = {inside} {items}.", f"{name} has {inside} + {loose} = {total} {items}."]
     return {"question": q, "answer": _answer(steps, total)}
 
@@ -168,14 +201,23 @@ def t_add_sub(rng: random.Random) -> Problem:
     mid = a + b
     c = rng.randint(1, mid - 1)
     end = mid - c
-    q = (f"{name} had {a} {items}. {he} found {b} more and then lost {c}. "
-         f"How many {items} does {name} have now?")
+    q = f"{name} had {a} {items}. {he} found {b} more and then lost {c}. How many {items} does {name} have now?"
     steps = [f"After finding {items} {name} has {a} + {b} = {mid}.", f"Then {name} has {mid} - {c} = {end} {items}."]
     return {"question": q, "answer": _answer(steps, end)}
 
 
 TEMPLATES: list[Callable[[random.Random], Problem]] = [
-    t_add, t_sub, t_shop, t_shop_change, t_shop_two, t_share, t_share_two, t_rate, t_wage, t_boxes, t_add_sub,
+    t_add,
+    t_sub,
+    t_shop,
+    t_shop_change,
+    t_shop_two,
+    t_share,
+    t_share_two,
+    t_rate,
+    t_wage,
+    t_boxes,
+    t_add_sub,
 ]
 
 
@@ -215,7 +257,7 @@ def answer_number(answer: str) -> str | None:
     marker = answer.rfind("####")
     if marker < 0:
         return None
-    tail = answer[marker + 4:].strip().split()
+    tail = answer[marker + 4 :].strip().split()
     return tail[0].replace(",", "").rstrip(".") if tail else None
 
 
@@ -245,8 +287,15 @@ def read_jsonl(path: Path) -> list[Problem]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def build_assets(out_dir: Path, seed: int = 0, n_train: int = 20000, n_test: int = 300, n_fewshot: int = 16,
-                 vocab_size: int = 1024, write_train: bool = False) -> tuple[list[Problem], list[Problem]]:
+def build_assets(
+    out_dir: Path,
+    seed: int = 0,
+    n_train: int = 20000,
+    n_test: int = 300,
+    n_fewshot: int = 16,
+    vocab_size: int = 1024,
+    write_train: bool = False,
+) -> tuple[list[Problem], list[Problem]]:
     """Write the held-out set, the few-shot examples and the tokenizer (and optionally the train split)."""
     train, test = make_splits(seed, n_train, n_test)
     write_jsonl(out_dir / "gsm_tiny_test.jsonl", test)
@@ -267,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "assets")
     ap.add_argument("--write-train", action="store_true", help="also write gsm_tiny_train.jsonl")
     args = ap.parse_args(argv)
-    train, test = build_assets(args.out, args.seed, args.n_train, args.n_test, vocab_size=args.vocab_size,
-                               write_train=args.write_train)
+    train, test = build_assets(
+        args.out, args.seed, args.n_train, args.n_test, vocab_size=args.vocab_size, write_train=args.write_train
+    )
     print(f"train {len(train)} / held-out {len(test)} problems -> {args.out}")
     return 0
 

@@ -84,8 +84,17 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1000.0, 3)
 
 
-def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, num_requests: int, *,
-              max_tokens: int, offset: int = 0, timeout_s: float = 600.0) -> LevelResult:
+def run_level(
+    base_url: str,
+    model: str,
+    prompts: list[str],
+    concurrency: int,
+    num_requests: int,
+    *,
+    max_tokens: int,
+    offset: int = 0,
+    timeout_s: float = 600.0,
+) -> LevelResult:
     """``num_requests`` requests with at most ``concurrency`` in flight; acceptance from ``/metrics`` deltas."""
     from vllm_dsv4_mtp.serve.metrics import scrape
 
@@ -94,8 +103,16 @@ def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, n
 
     def one(i: int):
         try:
-            return complete(base_url, model, prompts[(offset + i) % len(prompts)], max_tokens=max_tokens,
-                            temperature=0.0, ignore_eos=True, stream=True, timeout=timeout_s)
+            return complete(
+                base_url,
+                model,
+                prompts[(offset + i) % len(prompts)],
+                max_tokens=max_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+                stream=True,
+                timeout=timeout_s,
+            )
         except (OSError, urllib.error.URLError, RuntimeError, ValueError) as e:
             return f"request {i}: {type(e).__name__}: {e}"
 
@@ -109,17 +126,22 @@ def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, n
     ok = [r for r in results if not isinstance(r, str)]
     errors = [r for r in results if isinstance(r, str)]
     if not ok:
-        raise RuntimeError(f"concurrency {concurrency}: all {num_requests} requests to {base_url} failed: "
-                           f"{errors[:3]}")
+        raise RuntimeError(f"concurrency {concurrency}: all {num_requests} requests to {base_url} failed: {errors[:3]}")
     e2e = [r.latency_s for r in ok]
     tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     out_tokens = sum(r.output_tokens for r in ok)
     lv = LevelResult(
-        concurrency=concurrency, requests=num_requests, failed=len(errors), duration_s=round(duration, 3),
-        output_tokens=out_tokens, mean_prompt_tokens=round(statistics.fmean(r.prompt_tokens for r in ok), 1),
-        output_tok_s=round(out_tokens / duration, 2), requests_per_s=round(len(ok) / duration, 3),
-        e2e_mean_ms=_ms(statistics.fmean(e2e)), e2e_p50_ms=_ms(percentile(e2e, 50)),
+        concurrency=concurrency,
+        requests=num_requests,
+        failed=len(errors),
+        duration_s=round(duration, 3),
+        output_tokens=out_tokens,
+        mean_prompt_tokens=round(statistics.fmean(r.prompt_tokens for r in ok), 1),
+        output_tok_s=round(out_tokens / duration, 2),
+        requests_per_s=round(len(ok) / duration, 3),
+        e2e_mean_ms=_ms(statistics.fmean(e2e)),
+        e2e_p50_ms=_ms(percentile(e2e, 50)),
         e2e_p90_ms=_ms(percentile(e2e, 90)),
         ttft_mean_ms=_ms(statistics.fmean(ttfts)) if ttfts else None,
         tpot_mean_ms=_ms(statistics.fmean(tpots)) if tpots else None,
@@ -136,9 +158,18 @@ def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, n
     return lv
 
 
-def sweep(base_url: str, model: str, prompts: list[str], levels: list[int], *, max_tokens: int,
-          num_requests: int | None = None, label: str = "", mtp_k: int | None = None,
-          log=sys.stderr) -> BenchRun:
+def sweep(
+    base_url: str,
+    model: str,
+    prompts: list[str],
+    levels: list[int],
+    *,
+    max_tokens: int,
+    num_requests: int | None = None,
+    label: str = "",
+    mtp_k: int | None = None,
+    log=sys.stderr,
+) -> BenchRun:
     """All levels against one server, after one warm-up request (the first request of a server is slow)."""
     from .client import complete
 
@@ -150,10 +181,13 @@ def sweep(base_url: str, model: str, prompts: list[str], levels: list[int], *, m
         lv = run_level(base_url, model, prompts, c, n, max_tokens=max_tokens, offset=offset)
         offset += n
         al = "" if lv.acceptance_length is None else f", acceptance length {lv.acceptance_length:.3f}"
-        print(f"# {label or base_url}: concurrency {c:>3}: {n} requests in {lv.duration_s:.1f} s, "
-              f"e2e {lv.e2e_mean_ms:.0f} ms, TPOT {lv.tpot_mean_ms or float('nan'):.1f} ms, "
-              f"{lv.output_tok_s:.1f} tok/s{al}" + (f", {lv.failed} FAILED" if lv.failed else ""),
-              file=log, flush=True)
+        print(
+            f"# {label or base_url}: concurrency {c:>3}: {n} requests in {lv.duration_s:.1f} s, "
+            f"e2e {lv.e2e_mean_ms:.0f} ms, TPOT {lv.tpot_mean_ms or float('nan'):.1f} ms, "
+            f"{lv.output_tok_s:.1f} tok/s{al}" + (f", {lv.failed} FAILED" if lv.failed else ""),
+            file=log,
+            flush=True,
+        )
         out.append(lv)
     return BenchRun(label=label, base_url=base_url, mtp_k=mtp_k, levels=out)
 
@@ -168,12 +202,16 @@ def speedups(off: BenchRun, on: BenchRun) -> list[dict]:
         base = off.level(lv.concurrency)
         if base is None:
             continue
-        rows.append({
-            "concurrency": lv.concurrency,
-            "e2e": round(base.e2e_mean_ms / lv.e2e_mean_ms, 3),
-            "tpot": round(base.tpot_mean_ms / lv.tpot_mean_ms, 3) if base.tpot_mean_ms and lv.tpot_mean_ms else None,
-            "throughput": round(lv.output_tok_s / base.output_tok_s, 3),
-        })
+        rows.append(
+            {
+                "concurrency": lv.concurrency,
+                "e2e": round(base.e2e_mean_ms / lv.e2e_mean_ms, 3),
+                "tpot": round(base.tpot_mean_ms / lv.tpot_mean_ms, 3)
+                if base.tpot_mean_ms and lv.tpot_mean_ms
+                else None,
+                "throughput": round(lv.output_tok_s / base.output_tok_s, 3),
+            }
+        )
     return rows
 
 
@@ -186,10 +224,13 @@ def step_costs(off: BenchRun, on: BenchRun) -> dict | None:
         return None
     step_off = a.tpot_mean_ms
     step_on = b.tpot_mean_ms * b.acceptance_length
-    return {"target_step_ms": round(step_off, 3), "mtp_step_ms": round(step_on, 3),
-            "mtp_step_over_target_step": round(step_on / step_off, 3),
-            "acceptance_length": b.acceptance_length,
-            "predicted_tpot_speedup": round(b.acceptance_length * step_off / step_on, 3)}
+    return {
+        "target_step_ms": round(step_off, 3),
+        "mtp_step_ms": round(step_on, 3),
+        "mtp_step_over_target_step": round(step_on / step_off, 3),
+        "acceptance_length": b.acceptance_length,
+        "predicted_tpot_speedup": round(b.acceptance_length * step_off / step_on, 3),
+    }
 
 
 def _f(x, fmt="{:.1f}") -> str:
@@ -204,9 +245,11 @@ def markdown(report: dict) -> str:
     if off and on:
         sp = {s["concurrency"]: s for s in report["speedup"]}
         k = on["mtp_k"]
-        lines += [f"| Max conc | requests | no MTP e2e (ms) | MTP K={k} e2e (ms) | Speedup | no MTP TPOT (ms) | "
-                  f"MTP TPOT (ms) | no MTP tok/s | MTP tok/s | acceptance length | per-position acceptance |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            f"| Max conc | requests | no MTP e2e (ms) | MTP K={k} e2e (ms) | Speedup | no MTP TPOT (ms) | "
+            f"MTP TPOT (ms) | no MTP tok/s | MTP tok/s | acceptance length | per-position acceptance |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
         offl = {lv["concurrency"]: lv for lv in off["levels"]}
         for lv in on["levels"]:
             b = offl.get(lv["concurrency"])
@@ -214,37 +257,48 @@ def markdown(report: dict) -> str:
                 continue
             s = sp.get(lv["concurrency"], {})
             pos = " / ".join(f"{p:.2f}" for p in lv["per_position_acceptance"] or [])
-            lines.append(f"| {lv['concurrency']} | {lv['requests']} | {b['e2e_mean_ms']:.1f} | {lv['e2e_mean_ms']:.1f} | "
-                         f"{_f(s.get('e2e'), '{:.2f}')} | {_f(b['tpot_mean_ms'])} | {_f(lv['tpot_mean_ms'])} | "
-                         f"{b['output_tok_s']:.1f} | {lv['output_tok_s']:.1f} | {_f(lv['acceptance_length'], '{:.3f}')} "
-                         f"| {pos or '–'} |")
+            lines.append(
+                f"| {lv['concurrency']} | {lv['requests']} | {b['e2e_mean_ms']:.1f} | {lv['e2e_mean_ms']:.1f} | "
+                f"{_f(s.get('e2e'), '{:.2f}')} | {_f(b['tpot_mean_ms'])} | {_f(lv['tpot_mean_ms'])} | "
+                f"{b['output_tok_s']:.1f} | {lv['output_tok_s']:.1f} | {_f(lv['acceptance_length'], '{:.3f}')} "
+                f"| {pos or '–'} |"
+            )
         lines.append("")
     for label, r in runs.items():
-        lines += [f"**{label}** ({r['base_url']})", "",
-                  "| conc | requests | failed | e2e mean / p50 / p90 (ms) | TTFT (ms) | TPOT mean / p50 / p90 (ms) | "
-                  "output tok/s | req/s | acceptance length |",
-                  "|---:|---:|---:|---|---:|---|---:|---:|---:|"]
+        lines += [
+            f"**{label}** ({r['base_url']})",
+            "",
+            "| conc | requests | failed | e2e mean / p50 / p90 (ms) | TTFT (ms) | TPOT mean / p50 / p90 (ms) | "
+            "output tok/s | req/s | acceptance length |",
+            "|---:|---:|---:|---|---:|---|---:|---:|---:|",
+        ]
         for lv in r["levels"]:
-            lines.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['failed']} | {lv['e2e_mean_ms']:.1f} / "
-                         f"{lv['e2e_p50_ms']:.1f} / {lv['e2e_p90_ms']:.1f} | {_f(lv['ttft_mean_ms'])} | "
-                         f"{_f(lv['tpot_mean_ms'])} / {_f(lv['tpot_p50_ms'])} / {_f(lv['tpot_p90_ms'])} | "
-                         f"{lv['output_tok_s']:.1f} | {lv['requests_per_s']:.2f} | "
-                         f"{_f(lv['acceptance_length'], '{:.3f}')} |")
+            lines.append(
+                f"| {lv['concurrency']} | {lv['requests']} | {lv['failed']} | {lv['e2e_mean_ms']:.1f} / "
+                f"{lv['e2e_p50_ms']:.1f} / {lv['e2e_p90_ms']:.1f} | {_f(lv['ttft_mean_ms'])} | "
+                f"{_f(lv['tpot_mean_ms'])} / {_f(lv['tpot_p50_ms'])} / {_f(lv['tpot_p90_ms'])} | "
+                f"{lv['output_tok_s']:.1f} | {lv['requests_per_s']:.2f} | "
+                f"{_f(lv['acceptance_length'], '{:.3f}')} |"
+            )
         lines.append("")
     bd = report.get("step_breakdown")
     if bd:
         lines += step_breakdown_markdown(bd), ""
     sc = report.get("step_costs")
     if sc:
-        lines.append(f"From the server's TPOT at concurrency 1: one engine step without MTP {sc['target_step_ms']:.1f} ms (1 token); with "
-                     f"MTP {sc['mtp_step_ms']:.1f} ms ({sc['mtp_step_over_target_step']:.2f}x) for "
-                     f"{sc['acceptance_length']:.2f} tokens on average -> TPOT speedup "
-                     f"{sc['predicted_tpot_speedup']:.2f}x.")
+        lines.append(
+            f"From the server's TPOT at concurrency 1: one engine step without MTP {sc['target_step_ms']:.1f} ms "
+            "(1 token); with "
+            f"MTP {sc['mtp_step_ms']:.1f} ms ({sc['mtp_step_over_target_step']:.2f}x) for "
+            f"{sc['acceptance_length']:.2f} tokens on average -> TPOT speedup "
+            f"{sc['predicted_tpot_speedup']:.2f}x."
+        )
     return "\n".join(lines).rstrip() + "\n"
 
 
 def step_breakdown_markdown(bd: dict) -> str:
-    """The table of :mod:`vllm_dsv4_mtp.benchmarks.stepcost`'s measurement: one engine step at concurrency 1, MTP off against MTP K."""
+    """The table of :mod:`vllm_dsv4_mtp.benchmarks.stepcost`'s measurement: one engine step at concurrency 1, MTP off
+    against MTP K."""
     off, on = bd["off"], bd["on"]
     k = on["mtp_k"]
 
@@ -261,28 +315,42 @@ def step_breakdown_markdown(bd: dict) -> str:
         ms = run.get("subparts_ms", {}).get(part)
         return "–" if ms is None else f"{ms:.2f}"
 
-    rows = [("target forward", "target"), ("target logits", "target_logits"), ("draft (MTP) forward", "draft"),
-            ("draft logits", "draft_logits"),
-            ("other: scheduling, input preparation, sampling / rejection sampling, outputs", "other")]
+    rows = [
+        ("target forward", "target"),
+        ("target logits", "target_logits"),
+        ("draft (MTP) forward", "draft"),
+        ("draft logits", "draft_logits"),
+        ("other: scheduling, input preparation, sampling / rejection sampling, outputs", "other"),
+    ]
     subs = {"target": ("target_attention", "target_moe"), "draft": ("draft_attention", "draft_moe")}
-    lines = [f"| one engine step at concurrency 1, ms (calls per step x mean tokens per call) | MTP off | MTP K={k} |",
-             "|---|---:|---:|"]
+    lines = [
+        f"| one engine step at concurrency 1, ms (calls per step x mean tokens per call) | MTP off | MTP K={k} |",
+        "|---|---:|---:|",
+    ]
     for name, part in rows:
         lines.append(f"| {name} | {cell(off, part)} | {cell(on, part)} |")
         for sp in subs.get(part, ()):
             if sp in off.get("subparts_ms", {}) or sp in on.get("subparts_ms", {}):
-                what = "attention blocks" if sp.endswith("attention") else "MoE blocks (router, routed + shared experts)"
+                what = (
+                    "attention blocks" if sp.endswith("attention") else "MoE blocks (router, routed + shared experts)"
+                )
                 lines.append(f"| &nbsp;&nbsp;of which {what} | {sub(off, sp)} | {sub(on, sp)} |")
-    lines += [f"| **whole step** (target forward start to the next) | **{off['step_ms']:.2f}** | **{on['step_ms']:.2f}** |",
-              f"| tokens per step | {off['tokens_per_step']:.2f} | {on['tokens_per_step']:.2f} |",
-              f"| ms per output token | {off['ms_per_output_token']:.2f} | {on['ms_per_output_token']:.2f} |"]
+    lines += [
+        f"| **whole step** (target forward start to the next) | **{off['step_ms']:.2f}** | **{on['step_ms']:.2f}** |",
+        f"| tokens per step | {off['tokens_per_step']:.2f} | {on['tokens_per_step']:.2f} |",
+        f"| ms per output token | {off['ms_per_output_token']:.2f} | {on['ms_per_output_token']:.2f} |",
+    ]
     ex = bd["explain"]
-    lines.append(f"\n(mean over decode steps; the slowest 10 % of steps of each run, interference from other processes, "
-                 f"dropped whole: {off['steps_kept']}/{off['decode_steps']} and {on['steps_kept']}/{on['decode_steps']} kept)")
-    lines.append(f"\nSpeedup at concurrency 1 = tokens per step x (step off / step on) = {ex['tokens_per_step']:.2f} x "
-                 f"({ex['target_step_off_ms']:.2f} / {ex['mtp_step_ms']:.2f}) = **{ex['predicted_speedup']:.2f}x** "
-                 f"({bd['requests']} requests, {bd['identical_outputs']}/{bd['requests']} outputs identical with and "
-                 "without MTP).")
+    lines.append(
+        f"\n(mean over decode steps; the slowest 10 % of steps of each run, interference from other processes, "
+        f"dropped whole: {off['steps_kept']}/{off['decode_steps']} and {on['steps_kept']}/{on['decode_steps']} kept)"
+    )
+    lines.append(
+        f"\nSpeedup at concurrency 1 = tokens per step x (step off / step on) = {ex['tokens_per_step']:.2f} x "
+        f"({ex['target_step_off_ms']:.2f} / {ex['mtp_step_ms']:.2f}) = **{ex['predicted_speedup']:.2f}x** "
+        f"({bd['requests']} requests, {bd['identical_outputs']}/{bd['requests']} outputs identical with and "
+        "without MTP)."
+    )
     return "\n".join(lines)
 
 
@@ -304,8 +372,7 @@ def plot(report: dict, path: Path) -> Path:
         axes[2].plot(xs, [s["throughput"] for s in report["speedup"]], marker="s", label="throughput")
         axes[2].axhline(1.0, color="grey", lw=0.8, ls="--")
     else:
-        axes[2].text(0.5, 0.5, "needs an MTP-off and an MTP run", ha="center", va="center",
-                     transform=axes[2].transAxes)
+        axes[2].text(0.5, 0.5, "needs an MTP-off and an MTP run", ha="center", va="center", transform=axes[2].transAxes)
     titles = ("mean end-to-end latency (ms)", "output tokens/s", "MTP speedup over off (x)")
     levels = sorted({lv["concurrency"] for r in report["runs"] for lv in r["levels"]})
     for ax, title in zip(axes, titles):
@@ -379,39 +446,70 @@ def _levels(s: str) -> list[int]:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="concurrency sweep: latency, TPOT, tokens/s, acceptance, MTP speedup",
-                              description=__doc__.split("\n\n")[1], formatter_class=argparse.RawTextHelpFormatter)
+    p = subparsers.add_parser(
+        "bench",
+        help="concurrency sweep: latency, TPOT, tokens/s, acceptance, MTP speedup",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     src = p.add_argument_group("servers (one of)")
     src.add_argument("--base-url", help="running server to measure (MTP on, or whatever it serves)")
     src.add_argument("--baseline-url", help="running MTP-off server to compare against (speedup column)")
-    src.add_argument("--serve", action="store_true",
-                     help="start the servers here, one at a time: MTP off, then MTP K (dsv4-mtp serve profile)")
-    p.add_argument("--model", help="with --serve: checkpoint directory (default: the embedded MXFP4 model); "
-                                   "else the served model name (default: the first of /v1/models)")
+    src.add_argument(
+        "--serve",
+        action="store_true",
+        help="start the servers here, one at a time: MTP off, then MTP K (dsv4-mtp serve profile)",
+    )
+    p.add_argument(
+        "--model",
+        help="with --serve: checkpoint directory (default: the embedded MXFP4 model); "
+        "else the served model name (default: the first of /v1/models)",
+    )
     p.add_argument("--mtp-k", type=int, default=2, help="with --serve: draft tokens K for the MTP run (default 2)")
     p.add_argument("--profile", default="cpu-tiny", help="with --serve: dsv4-mtp serve profile (default cpu-tiny)")
-    p.add_argument("--concurrency", type=_levels, default=list(DEFAULT_LEVELS),
-                   help="comma-separated levels (default 1,2,4,8,16,32,64)")
+    p.add_argument(
+        "--concurrency",
+        type=_levels,
+        default=list(DEFAULT_LEVELS),
+        help="comma-separated levels (default 1,2,4,8,16,32,64)",
+    )
     p.add_argument("--num-requests", type=int, default=None, help="requests per level (default max(8, 2 x C))")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (fixed; default 64)")
     p.add_argument("--num-fewshot", type=int, default=2, help="solved examples before each question (default 2)")
     p.add_argument("--prompts", type=Path, default=None, help="GSM8K-style JSONL (default: the shipped held-out set)")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="directory for bench.json/.md/.png")
-    p.add_argument("--step-costs", action="store_true",
-                   help="with --serve: afterwards, time one engine step's parts at concurrency 1, MTP off vs K\n"
-                        "(python -m vllm_dsv4_mtp.benchmarks.stepcost; an in-process LLM with forward hooks)")
+    p.add_argument(
+        "--step-costs",
+        action="store_true",
+        help="with --serve: afterwards, time one engine step's parts at concurrency 1, MTP off vs K\n"
+        "(python -m vllm_dsv4_mtp.benchmarks.stepcost; an in-process LLM with forward hooks)",
+    )
     p.set_defaults(func=run)
     return p
 
 
 def run_stepcost(model: str, k: int, max_tokens: int, num_fewshot: int, out: Path) -> dict:
-    """:mod:`vllm_dsv4_mtp.benchmarks.stepcost` in its own process (it runs vLLM engines, one at a time, after the servers are gone)."""
+    """:mod:`vllm_dsv4_mtp.benchmarks.stepcost` in its own process (it runs vLLM engines, one at a time, after the
+    servers are gone)."""
     import subprocess
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / "stepcost.json"
-    argv = [sys.executable, "-m", "vllm_dsv4_mtp.benchmarks.stepcost", "--model", model, "--mtp-k", str(k),
-            "--max-tokens", str(max_tokens), "--num-fewshot", str(num_fewshot), "--json", str(path)]
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm_dsv4_mtp.benchmarks.stepcost",
+        "--model",
+        model,
+        "--mtp-k",
+        str(k),
+        "--max-tokens",
+        str(max_tokens),
+        "--num-fewshot",
+        str(num_fewshot),
+        "--json",
+        str(path),
+    ]
     print("# " + shlex.join(argv), file=sys.stderr, flush=True)
     with open(out / "stepcost.log", "w") as log:
         rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -421,16 +519,18 @@ def run_stepcost(model: str, k: int, max_tokens: int, num_fewshot: int, out: Pat
 
 
 def run(args: argparse.Namespace) -> int:
-    from .client import NotLoopbackError, require_loopback
     from vllm_dsv4_mtp.embedded import MXFP4_CHECKPOINT_DIR
 
+    from .client import NotLoopbackError, require_loopback
     from .common import MissingCheckpointError, fewshot_examples, load_problems, prompt_for, require_checkpoint
     from .server import ManagedServer, ServerSpec, served_model_name, spec_label
 
     argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "bench" else []
     if args.serve == bool(args.base_url):
-        print("dsv4-mtp bench: error: give --base-url URL (a running server) or --serve (start them here)",
-              file=sys.stderr)
+        print(
+            "dsv4-mtp bench: error: give --base-url URL (a running server) or --serve (start them here)",
+            file=sys.stderr,
+        )
         return 2
     fewshot = fewshot_examples(args.num_fewshot)
     prompts = [prompt_for(p, fewshot) for p in load_problems(args.prompts)]
@@ -441,11 +541,20 @@ def run(args: argparse.Namespace) -> int:
             model = args.model or str(require_checkpoint(MXFP4_CHECKPOINT_DIR, "--model DIR"))
             ks = [None, args.mtp_k]
             for k in ks:
-                spec = ServerSpec(model=model, mtp_k=k, profile=args.profile,
-                                  extra_args=["--max-num-seqs", str(max(levels))])
+                spec = ServerSpec(
+                    model=model, mtp_k=k, profile=args.profile, extra_args=["--max-num-seqs", str(max(levels))]
+                )
                 with ManagedServer(spec, log_path=args.out / f"server-{'off' if k is None else f'k{k}'}.log") as srv:
-                    r = sweep(srv.base_url, served_model_name(srv.base_url), prompts, levels,
-                              max_tokens=args.max_tokens, num_requests=args.num_requests, label=spec_label(k), mtp_k=k)
+                    r = sweep(
+                        srv.base_url,
+                        served_model_name(srv.base_url),
+                        prompts,
+                        levels,
+                        max_tokens=args.max_tokens,
+                        num_requests=args.num_requests,
+                        label=spec_label(k),
+                        mtp_k=k,
+                    )
                     r.startup_s = round(srv.startup_s, 1)
                     runs.append(r)
         else:
@@ -455,8 +564,18 @@ def run(args: argparse.Namespace) -> int:
             model = args.model or served_model_name(args.base_url)
             for url in filter(None, (args.baseline_url, args.base_url)):
                 k = server_spec_tokens(url)
-                runs.append(sweep(url, model, prompts, levels, max_tokens=args.max_tokens,
-                                  num_requests=args.num_requests, label=spec_label(k), mtp_k=k))
+                runs.append(
+                    sweep(
+                        url,
+                        model,
+                        prompts,
+                        levels,
+                        max_tokens=args.max_tokens,
+                        num_requests=args.num_requests,
+                        label=spec_label(k),
+                        mtp_k=k,
+                    )
+                )
     except (NotLoopbackError, MissingCheckpointError) as e:
         print(f"dsv4-mtp bench: error: {e}", file=sys.stderr)
         return 2

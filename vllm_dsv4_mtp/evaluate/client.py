@@ -29,8 +29,10 @@ def require_loopback(base_url: str) -> None:
     except ValueError:
         ok = host == "localhost"
     if not ok:
-        raise NotLoopbackError(f"{base_url}: the benchmark sends request loops to 127.0.0.1 / localhost only "
-                               f"(host {host!r} is not a loopback address)")
+        raise NotLoopbackError(
+            f"{base_url}: the benchmark sends request loops to 127.0.0.1 / localhost only "
+            f"(host {host!r} is not a loopback address)"
+        )
 
 
 @dataclass
@@ -50,20 +52,37 @@ class Completion:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def complete(base_url: str, model: str, prompt: str, *, max_tokens: int, temperature: float = 0.0,
-             stop: list[str] | None = None, ignore_eos: bool = False, stream: bool = True,
-             timeout: float = 600.0) -> Completion:
+def complete(
+    base_url: str,
+    model: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    stop: list[str] | None = None,
+    ignore_eos: bool = False,
+    stream: bool = True,
+    timeout: float = 600.0,
+) -> Completion:
     """One completion request; raises ``urllib.error.URLError``/``HTTPError`` on failure."""
-    body: dict = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-                  "stream": stream}
+    body: dict = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": stream,
+    }
     if stop:
         body["stop"] = stop
     if ignore_eos:
         body["ignore_eos"] = True  # vLLM's extension: exactly max_tokens output tokens
     if stream:
         body["stream_options"] = {"include_usage": True}
-    req = urllib.request.Request(api_root(base_url) + "/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        api_root(base_url) + "/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     t0 = time.perf_counter()
     ttft = None
     with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 (loopback server)
@@ -71,8 +90,14 @@ def complete(base_url: str, model: str, prompt: str, *, max_tokens: int, tempera
             out = json.loads(r.read())
             latency = time.perf_counter() - t0
             ch = out["choices"][0]
-            return Completion(ch["text"], out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"],
-                              ch.get("finish_reason"), latency, None)
+            return Completion(
+                ch["text"],
+                out["usage"]["prompt_tokens"],
+                out["usage"]["completion_tokens"],
+                ch.get("finish_reason"),
+                latency,
+                None,
+            )
         parts: list[str] = []
         usage: dict | None = None
         finish = None
@@ -80,7 +105,7 @@ def complete(base_url: str, model: str, prompt: str, *, max_tokens: int, tempera
             line = raw.decode("utf-8").strip()
             if not line.startswith("data:"):
                 continue
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 break
             chunk = json.loads(data)

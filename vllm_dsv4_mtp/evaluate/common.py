@@ -28,8 +28,9 @@ def require_checkpoint(path: Path, flag: str) -> Path:
     """``path`` when it holds a checkpoint, else :class:`MissingCheckpointError`. The embedded checkpoints ship
     in the repository, not in the wheel: an installed wheel without its assets has none."""
     if not has_checkpoint(path):
-        raise MissingCheckpointError(f"no checkpoint at {path} (the embedded checkpoints ship with the repository, "
-                                     f"not the wheel): pass {flag}")
+        raise MissingCheckpointError(
+            f"no checkpoint at {path} (the embedded checkpoints ship with the repository, not the wheel): pass {flag}"
+        )
     return Path(path)
 
 
@@ -66,8 +67,7 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version()}
+    info = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     try:
         import importlib.metadata as md
 

@@ -62,10 +62,15 @@ def summarize(answers: list[Answer]) -> RunSummary:
     e2e = sum(a.e2e_s for a in answers)
     tokens = sum(a.output_tokens for a in answers)
     als = [a.acceptance_length for a in answers if a.acceptance_length is not None]
-    return RunSummary(right=sum(a.correct for a in answers), n=len(answers), output_tokens=tokens,
-                      decode_tok_s=after_first / decode_s if decode_s > 0 else None,
-                      e2e_mean_s=e2e / len(answers), e2e_tok_s=tokens / e2e,
-                      acceptance_length=statistics.fmean(als) if als else None)
+    return RunSummary(
+        right=sum(a.correct for a in answers),
+        n=len(answers),
+        output_tokens=tokens,
+        decode_tok_s=after_first / decode_s if decode_s > 0 else None,
+        e2e_mean_s=e2e / len(answers),
+        e2e_tok_s=tokens / e2e,
+        acceptance_length=statistics.fmean(als) if als else None,
+    )
 
 
 def choose_model(model: str | None) -> tuple[str, str]:
@@ -77,8 +82,10 @@ def choose_model(model: str | None) -> tuple[str, str]:
 
     if model:
         return model, f"{model} (--model)"
-    return (str(require_checkpoint(MXFP4_CHECKPOINT_DIR, "--model DIR")),
-            "the embedded tiny DeepSeek-V4, MXFP4 experts (Quark OCP MX)")
+    return (
+        str(require_checkpoint(MXFP4_CHECKPOINT_DIR, "--model DIR")),
+        "the embedded tiny DeepSeek-V4, MXFP4 experts (Quark OCP MX)",
+    )
 
 
 def ask_all(base_url: str, model: str, problems: list[dict], prompts: list[str], max_tokens: int) -> list[Answer]:
@@ -95,16 +102,26 @@ def ask_all(base_url: str, model: str, problems: list[dict], prompts: list[str],
         c = complete(base_url, model, prompt, max_tokens=max_tokens, temperature=0.0, stop=STOP, stream=True)
         after = wait_finished(base_url, before)
         spec = after.spec.since(before.spec) if after.spec is not None and before.spec is not None else None
-        out.append(Answer(c.text, is_correct(c.text, p), c.output_tokens, c.latency_s,
-                          after.totals.since(before.totals).decode_s,
-                          spec.mean_acceptance_length if spec is not None else None))
+        out.append(
+            Answer(
+                c.text,
+                is_correct(c.text, p),
+                c.output_tokens,
+                c.latency_s,
+                after.totals.since(before.totals).decode_s,
+                spec.mean_acceptance_length if spec is not None else None,
+            )
+        )
         before = after
     return out
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("demo", help="serve the embedded MXFP4 model with MTP on CPU and ask it held-out problems",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "demo",
+        help="serve the embedded MXFP4 model with MTP on CPU and ask it held-out problems",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--model", help="checkpoint directory (default: the embedded MXFP4 model)")
     p.add_argument("--mtp-k", type=int, default=2, help="draft tokens K (default 2)")
     p.add_argument("--num-problems", type=int, default=5, help="held-out problems to ask (default 5)")
@@ -113,8 +130,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the MTP-off run (no tokens/s comparison)")
     p.add_argument("--profile", default="cpu-tiny", help="dsv4-mtp serve profile (default cpu-tiny)")
     p.add_argument("--log-dir", type=Path, default=None, help="where the server logs go (default: a temp dir)")
-    p.add_argument("--start-timeout", type=float, default=600.0,
-                   help="seconds to wait for each server's /health (default 600)")
+    p.add_argument(
+        "--start-timeout", type=float, default=600.0, help="seconds to wait for each server's /health (default 600)"
+    )
     p.set_defaults(func=run)
     return p
 
@@ -141,9 +159,12 @@ def run(args: argparse.Namespace) -> int:
     prompts = [prompt_for(p, fewshot) for p in problems]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="dsv4-demo-logs-"))
 
-    print(f"dsv4-mtp demo: {described}\n  checkpoint: {model}\n  serving with vLLM on CPU through "
-          f"`dsv4-mtp serve --profile {args.profile}`, {spec_label(k)}; {len(problems)} held-out problems, "
-          f"{args.num_fewshot}-shot, greedy", flush=True)
+    print(
+        f"dsv4-mtp demo: {described}\n  checkpoint: {model}\n  serving with vLLM on CPU through "
+        f"`dsv4-mtp serve --profile {args.profile}`, {spec_label(k)}; {len(problems)} held-out problems, "
+        f"{args.num_fewshot}-shot, greedy",
+        flush=True,
+    )
 
     runs: dict[str, list[Answer]] = {}
     order = [k] + ([None] if k is not None and not args.no_baseline else [])
@@ -153,21 +174,27 @@ def run(args: argparse.Namespace) -> int:
             label = spec_label(kk)
             print(f"\n== {label}: starting the server (vLLM engine start takes a minute on CPU) ...", flush=True)
             t0 = time.perf_counter()
-            with ManagedServer(spec, log_path=log_dir / f"server-{'off' if kk is None else f'k{kk}'}.log",
-                               start_timeout_s=args.start_timeout, quiet=True) as srv:
+            with ManagedServer(
+                spec,
+                log_path=log_dir / f"server-{'off' if kk is None else f'k{kk}'}.log",
+                start_timeout_s=args.start_timeout,
+                quiet=True,
+            ) as srv:
                 print(f"   ready after {time.perf_counter() - t0:.0f} s on {srv.base_url}", flush=True)
-                answers = ask_all(srv.base_url, served_model_name(srv.base_url), problems, prompts,
-                                  args.max_tokens)
+                answers = ask_all(srv.base_url, served_model_name(srv.base_url), problems, prompts, args.max_tokens)
             runs[label] = answers
             if kk == k:  # the main run: show every answer
                 for i, (p, a) in enumerate(zip(problems, answers), 1):
                     got, want = gsm.answer_number(a.text), gsm.answer_number(p["answer"])
                     print(f"\n[{i}] Q: {p['question']}")
                     print("    A: " + a.text.strip().replace("\n", "\n       "))
-                    print(f"    -> {got if got is not None else '(no #### answer)'}: "
-                          f"{'RIGHT' if a.correct else 'WRONG'} (expected {want}) | acceptance length "
-                          f"{_fmt(a.acceptance_length, '{:.2f}')} | {a.output_tokens} tokens, decode "
-                          f"{_fmt(a.decode_tok_s)} tok/s, {a.e2e_s:.2f} s end to end", flush=True)
+                    print(
+                        f"    -> {got if got is not None else '(no #### answer)'}: "
+                        f"{'RIGHT' if a.correct else 'WRONG'} (expected {want}) | acceptance length "
+                        f"{_fmt(a.acceptance_length, '{:.2f}')} | {a.output_tokens} tokens, decode "
+                        f"{_fmt(a.decode_tok_s)} tok/s, {a.e2e_s:.2f} s end to end",
+                        flush=True,
+                    )
     except (ServerStartError, EngineClockError) as e:
         print(f"dsv4-mtp demo: error: {e}", file=sys.stderr)
         return 1
@@ -183,19 +210,27 @@ def print_summary(described: str, runs: dict[str, list[Answer]], k: int | None) 
     main = sums[spec_label(k)]
     print(f"\n== summary ({described})")
     print(f"   right: {main.right}/{main.n}")
-    print("   | run | right | mean acceptance length | answer tokens | decode tok/s (engine clock) "
-          "| e2e s (mean) | e2e tok/s |\n   |---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "   | run | right | mean acceptance length | answer tokens | decode tok/s (engine clock) "
+        "| e2e s (mean) | e2e tok/s |\n   |---|---:|---:|---:|---:|---:|---:|"
+    )
     for label, r in sums.items():
-        print(f"   | {label} | {r.right}/{r.n} | {_fmt(r.acceptance_length, '{:.2f}')} | {r.output_tokens} | "
-              f"{_fmt(r.decode_tok_s)} | {r.e2e_mean_s:.2f} | {r.e2e_tok_s:.1f} |")
-    print("   decode tok/s: answer tokens after the first / the engine's first-to-last-token time (vLLM's "
-          "request_decode_time_seconds); e2e: this client's clock, request sent to last chunk read")
+        print(
+            f"   | {label} | {r.right}/{r.n} | {_fmt(r.acceptance_length, '{:.2f}')} | {r.output_tokens} | "
+            f"{_fmt(r.decode_tok_s)} | {r.e2e_mean_s:.2f} | {r.e2e_tok_s:.1f} |"
+        )
+    print(
+        "   decode tok/s: answer tokens after the first / the engine's first-to-last-token time (vLLM's "
+        "request_decode_time_seconds); e2e: this client's clock, request sent to last chunk read"
+    )
     if k is None or "MTP off" not in runs:
         return
     on, off = main, sums["MTP off"]
     if on.decode_tok_s and off.decode_tok_s:
-        print(f"   MTP K={k} vs MTP off: decode {on.decode_tok_s:.1f} vs {off.decode_tok_s:.1f} tokens/s "
-              f"({on.decode_tok_s / off.decode_tok_s:.2f}x); end to end {on.e2e_tok_s:.1f} vs {off.e2e_tok_s:.1f} "
-              f"tokens/s ({on.e2e_tok_s / off.e2e_tok_s:.2f}x, mean {off.e2e_mean_s:.2f} s -> {on.e2e_mean_s:.2f} s)")
+        print(
+            f"   MTP K={k} vs MTP off: decode {on.decode_tok_s:.1f} vs {off.decode_tok_s:.1f} tokens/s "
+            f"({on.decode_tok_s / off.decode_tok_s:.2f}x); end to end {on.e2e_tok_s:.1f} vs {off.e2e_tok_s:.1f} "
+            f"tokens/s ({on.e2e_tok_s / off.e2e_tok_s:.2f}x, mean {off.e2e_mean_s:.2f} s -> {on.e2e_mean_s:.2f} s)"
+        )
     same = sum(a.text == b.text for a, b in zip(runs[spec_label(k)], runs["MTP off"]))
     print(f"   answers identical with and without MTP: {same}/{main.n}")

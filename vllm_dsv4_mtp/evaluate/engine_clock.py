@@ -27,7 +27,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 
-from vllm_dsv4_mtp.serve.metrics import SpecDecodeMetrics, fetch_metrics_text, parse_prometheus_text, spec_decode_metrics
+from vllm_dsv4_mtp.serve.metrics import (
+    SpecDecodeMetrics,
+    fetch_metrics_text,
+    parse_prometheus_text,
+    spec_decode_metrics,
+)
 
 _HISTOGRAM_SUMS = {
     "vllm:request_decode_time_seconds_sum": "decode_s",
@@ -54,7 +59,7 @@ class RequestTotals:
     server_e2e_s: float = 0.0
     generation_tokens: float = 0.0
 
-    def since(self, earlier: "RequestTotals") -> "RequestTotals":
+    def since(self, earlier: RequestTotals) -> RequestTotals:
         """What the requests finished after ``earlier`` was scraped added."""
         return RequestTotals(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
 
@@ -73,8 +78,10 @@ def request_totals(text: str, *, source: str = "/metrics") -> RequestTotals:
             seen.add(s.name)
     missing = sorted((set(_HISTOGRAM_SUMS) | {FINISHED}) - seen)
     if missing:
-        raise EngineClockError(f"{source} has no {', '.join(missing)} (is this a vLLM server with stats logging "
-                               "on, i.e. without --disable-log-stats?)")
+        raise EngineClockError(
+            f"{source} has no {', '.join(missing)} (is this a vLLM server with stats logging "
+            "on, i.e. without --disable-log-stats?)"
+        )
     return RequestTotals(finished=finished, **acc)
 
 
@@ -94,8 +101,9 @@ def snapshot(base_url: str, timeout: float = 10.0) -> Snapshot:
     return Snapshot(request_totals(text, source=f"{root}/metrics"), spec_decode_metrics(text))
 
 
-def wait_finished(base_url: str, before: Snapshot, n: int = 1, timeout_s: float = 10.0,
-                  poll_s: float = 0.02) -> Snapshot:
+def wait_finished(
+    base_url: str, before: Snapshot, n: int = 1, timeout_s: float = 10.0, poll_s: float = 0.02
+) -> Snapshot:
     """Scrape until ``n`` more requests than in ``before`` have finished; returns that scrape."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -103,6 +111,8 @@ def wait_finished(base_url: str, before: Snapshot, n: int = 1, timeout_s: float 
         if now.totals.finished >= before.totals.finished + n:
             return now
         if time.monotonic() > deadline:
-            raise EngineClockError(f"{base_url}/metrics: {now.totals.finished - before.totals.finished:.0f} of "
-                                   f"{n} requests finished after {timeout_s:.0f} s")
+            raise EngineClockError(
+                f"{base_url}/metrics: {now.totals.finished - before.totals.finished:.0f} of "
+                f"{n} requests finished after {timeout_s:.0f} s"
+            )
         time.sleep(poll_s)

@@ -54,8 +54,9 @@ def plan_url_runs(servers: list[str], baseline: str | None) -> list[AbRun]:
     return runs
 
 
-def plan_managed_runs(models: dict[str, Path], settings: list[int | None], profile: str, serve_args: list[str],
-                      baseline: str | None) -> list[AbRun]:
+def plan_managed_runs(
+    models: dict[str, Path], settings: list[int | None], profile: str, serve_args: list[str], baseline: str | None
+) -> list[AbRun]:
     from .server import ServerSpec, spec_label
 
     runs = []
@@ -63,8 +64,9 @@ def plan_managed_runs(models: dict[str, Path], settings: list[int | None], profi
         for k in settings:
             base = f"{name} MTP off" if (k is not None and None in settings) else None
             spec = ServerSpec(model=str(ckpt), mtp_k=k, profile=profile, extra_args=list(serve_args))
-            runs.append(AbRun(label=f"{name} {spec_label(k)}", spec=spec, baseline=base,
-                              mtp="off" if k is None else f"K={k}"))
+            runs.append(
+                AbRun(label=f"{name} {spec_label(k)}", spec=spec, baseline=base, mtp="off" if k is None else f"K={k}")
+            )
     if baseline:
         _set_baseline(runs, baseline)
     return runs
@@ -104,8 +106,9 @@ def evaluate_run(run: AbRun, args, include: Path | None) -> None:
         run.mtp = mtp_from_metrics(run.base_url)
         run.result = evaluate_server(lmeval_run(args, run.base_url, run.model, out_dir, include))
     else:
-        with ManagedServer(run.spec, log_path=Path(args.out) / f"server-{_slug(run.label)}.log",
-                           start_timeout_s=args.start_timeout) as srv:
+        with ManagedServer(
+            run.spec, log_path=Path(args.out) / f"server-{_slug(run.label)}.log", start_timeout_s=args.start_timeout
+        ) as srv:
             run.base_url = srv.base_url
             run.model = served_model_name(srv.base_url)
             run.result = evaluate_server(lmeval_run(args, srv.base_url, run.model, out_dir, include))
@@ -130,17 +133,21 @@ def _pm(v: float, se: float | None) -> str:
 
 def report(runs: list[AbRun]) -> str:
     """The table, the lm-eval command of each run, and the answers that differ from the baseline."""
-    lines = ["| run | served model | MTP | strict-match | flexible-extract | problems | mean acceptance length "
-             "| per-position acceptance | answers identical to baseline | lm-eval wall (s) | lm-eval command |",
-             "|---|---|---|---:|---:|---:|---:|---|---|---:|---|"]
+    lines = [
+        "| run | served model | MTP | strict-match | flexible-extract | problems | mean acceptance length "
+        "| per-position acceptance | answers identical to baseline | lm-eval wall (s) | lm-eval command |",
+        "|---|---|---|---:|---:|---:|---:|---|---|---:|---|",
+    ]
     for i, r in enumerate(runs, 1):
         s, sd = r.result["score"], r.result["spec_decode"]
         al = sd.get("mean_acceptance_length") if sd else None
         pos = " / ".join(f"{p:.2f}" for p in (sd.get("per_position_acceptance") or [])) if sd else ""
         ident = "(baseline)" if r.identical is None else f"{r.identical[0]}/{r.identical[1]} ({r.baseline})"
-        lines.append(f"| {r.label} | {r.model} | {r.mtp} | {_pm(s['strict'], s['strict_stderr'])} "
-                     f"| {_pm(s['flexible'], s['flexible_stderr'])} | {s['n']} | {'–' if al is None else f'{al:.3f}'} "
-                     f"| {pos or '–'} | {ident} | {r.result['wall_s']:.0f} | [{i}] |")
+        lines.append(
+            f"| {r.label} | {r.model} | {r.mtp} | {_pm(s['strict'], s['strict_stderr'])} "
+            f"| {_pm(s['flexible'], s['flexible_stderr'])} | {s['n']} | {'–' if al is None else f'{al:.3f}'} "
+            f"| {pos or '–'} | {ident} | {r.result['wall_s']:.0f} | [{i}] |"
+        )
     lines += ["", "lm-eval commands:"]
     lines += [f"[{i}] `{r.result['lm_eval_command']}`" for i, r in enumerate(runs, 1)]
     lines += ["", "Answers that differ from the baseline (strict-match extraction, right/wrong):"]
@@ -152,11 +159,15 @@ def report(runs: list[AbRun]) -> str:
             lines.append(f"- {r.label} vs {r.baseline}: none, all {r.identical[1]} identical")
             continue
         base = by_label[r.baseline].answers
-        shown = [f"doc {i}: {_verdict(base[i])} vs {_verdict(r.answers[i])}"
-                 for i in r.differing[:MAX_LISTED_DIFFERENCES]]
+        shown = [
+            f"doc {i}: {_verdict(base[i])} vs {_verdict(r.answers[i])}" for i in r.differing[:MAX_LISTED_DIFFERENCES]
+        ]
         more = len(r.differing) - len(shown)
-        lines.append(f"- {r.label} vs {r.baseline}: {len(r.differing)} differ: " + "; ".join(shown)
-                     + (f"; and {more} more (eval_ab_answers.jsonl)" if more > 0 else ""))
+        lines.append(
+            f"- {r.label} vs {r.baseline}: {len(r.differing)} differ: "
+            + "; ".join(shown)
+            + (f"; and {more} more (eval_ab_answers.jsonl)" if more > 0 else "")
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -168,11 +179,27 @@ def write_outputs(out: Path, runs: list[AbRun], args, text: str) -> None:
     from .common import machine
 
     out.mkdir(parents=True, exist_ok=True)
-    rows = [{"label": r.label, "base_url": r.base_url, "served_model": r.model, "mtp": r.mtp,
-             "checkpoint_dir": getattr(r.spec, "model", None), "baseline": r.baseline, **r.result,
-             "identical_to_baseline": r.identical, "differing_doc_ids": r.differing} for r in runs]
-    report_json = {"task": args.task, "num_fewshot": args.num_fewshot, "limit": args.limit,
-                   "machine": machine(), "rows": rows}
+    rows = [
+        {
+            "label": r.label,
+            "base_url": r.base_url,
+            "served_model": r.model,
+            "mtp": r.mtp,
+            "checkpoint_dir": getattr(r.spec, "model", None),
+            "baseline": r.baseline,
+            **r.result,
+            "identical_to_baseline": r.identical,
+            "differing_doc_ids": r.differing,
+        }
+        for r in runs
+    ]
+    report_json = {
+        "task": args.task,
+        "num_fewshot": args.num_fewshot,
+        "limit": args.limit,
+        "machine": machine(),
+        "rows": rows,
+    }
     (out / "eval_ab.json").write_text(json.dumps(report_json, indent=1) + "\n")
     (out / "eval_ab.md").write_text(text)
     docs = sorted(set().union(*(r.answers for r in runs)))
@@ -193,9 +220,14 @@ def run_ab(args) -> int:
         runs = plan_url_runs(args.server, args.baseline)
     else:
         try:
-            models = _model_dirs(args.checkpoint) if args.checkpoint else {
-                name: require_checkpoint(path, "--server URL or --checkpoint NAME=DIR")
-                for name, path in (("BF16", BF16_CHECKPOINT_DIR), ("MXFP4", MXFP4_CHECKPOINT_DIR))}
+            models = (
+                _model_dirs(args.checkpoint)
+                if args.checkpoint
+                else {
+                    name: require_checkpoint(path, "--server URL or --checkpoint NAME=DIR")
+                    for name, path in (("BF16", BF16_CHECKPOINT_DIR), ("MXFP4", MXFP4_CHECKPOINT_DIR))
+                }
+            )
         except MissingCheckpointError as e:
             print(f"dsv4-mtp eval --ab: error: {e}", file=sys.stderr)
             return 2

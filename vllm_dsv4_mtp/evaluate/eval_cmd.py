@@ -52,18 +52,33 @@ def _key_value(s: str) -> tuple[str, str]:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("eval", help="GSM8K through lm-eval local-completions (vLLM's recipe) and A/B tables",
-                              description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawTextHelpFormatter)
+    p = subparsers.add_parser(
+        "eval",
+        help="GSM8K through lm-eval local-completions (vLLM's recipe) and A/B tables",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--base-url", help="a running OpenAI-compatible server (http://HOST:PORT[/v1[/completions]])")
     p.add_argument("--model", help="served model name (default: the first of the server's /v1/models)")
-    p.add_argument("--task", choices=("gsm8k", "local"), default="gsm8k",
-                   help="gsm8k: lm-eval's stock task, dataset openai/gsm8k (default); local: the same task on "
-                        "local JSONL, offline")
-    p.add_argument("--offline", action="store_true",
-                   help="gsm8k from the Hugging Face cache only (sets HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1)")
+    p.add_argument(
+        "--task",
+        choices=("gsm8k", "local"),
+        default="gsm8k",
+        help="gsm8k: lm-eval's stock task, dataset openai/gsm8k (default); local: the same task on "
+        "local JSONL, offline",
+    )
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="gsm8k from the Hugging Face cache only (sets HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1)",
+    )
     p.add_argument("--data", type=Path, default=None, help="local task: test JSONL (default: shipped held-out set)")
-    p.add_argument("--fewshot-data", type=Path, default=None,
-                   help="local task: JSONL the few-shot examples are drawn from (default: the shipped ones)")
+    p.add_argument(
+        "--fewshot-data",
+        type=Path,
+        default=None,
+        help="local task: JSONL the few-shot examples are drawn from (default: the shipped ones)",
+    )
     p.add_argument("--limit", type=int, default=None, help="first N problems only (the recipe: all)")
     p.add_argument("--num-fewshot", type=int, default=8, help="few-shot examples (recipe: 8)")
     p.add_argument("--num-concurrent", type=int, default=128, help="requests in flight (recipe: 128)")
@@ -71,31 +86,58 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-retries", type=int, default=10, help="retries per request (recipe: 10)")
     p.add_argument("--timeout", type=int, default=60000, help="seconds per request (recipe: 60000)")
     p.add_argument("--batch-size", default="auto", help="lm-eval --batch_size (recipe: auto)")
-    p.add_argument("--model-arg", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
-                   help="extra lm-eval model_args (repeatable), e.g. tokenizer_backend=None")
+    p.add_argument(
+        "--model-arg",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra lm-eval model_args (repeatable), e.g. tokenizer_backend=None",
+    )
     p.add_argument("--out", type=Path, default=Path("eval_out"), help="output directory (default eval_out)")
     p.add_argument("--json", action="store_true", help="print JSON")
     ab = p.add_argument_group("A/B mode (--ab)")
     ab.add_argument("--ab", action="store_true", help="evaluate several servers and print the comparison table")
-    ab.add_argument("--server", action="append", metavar="[LABEL=]URL",
-                    help="a running server to compare (repeatable); the first is the baseline unless --baseline")
+    ab.add_argument(
+        "--server",
+        action="append",
+        metavar="[LABEL=]URL",
+        help="a running server to compare (repeatable); the first is the baseline unless --baseline",
+    )
     ab.add_argument("--baseline", metavar="LABEL", help="the run every other run's answers are compared with")
-    ab.add_argument("--checkpoint", action="append", metavar="NAME=DIR",
-                    help="without --server: checkpoints to serve here one at a time (default: the embedded "
-                         "BF16 and MXFP4 models); each MTP run is compared with its checkpoint's MTP-off run")
-    ab.add_argument("--mtp", type=_mtp_list, default=[None, 1, 3], help="without --server: MTP settings "
-                                                                        "(default off,1,3)")
-    ab.add_argument("--profile", default="cpu-tiny", help="without --server: dsv4-mtp serve profile (default "
-                                                          "cpu-tiny)")
-    ab.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
-                    help="without --server: an extra vLLM flag for the servers started here (repeatable; "
-                         "--serve-arg=--max-num-seqs --serve-arg=64)")
-    p.add_argument("--start-timeout", type=float, default=3600.0,
-                   help="seconds a server started here may take to answer /health (default 3600: Pro loads "
-                        "for tens of minutes)")
-    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
-                   help="--base-url / --server: wait up to this long for /health (a server still loading); "
-                        "default 0: it must answer now")
+    ab.add_argument(
+        "--checkpoint",
+        action="append",
+        metavar="NAME=DIR",
+        help="without --server: checkpoints to serve here one at a time (default: the embedded "
+        "BF16 and MXFP4 models); each MTP run is compared with its checkpoint's MTP-off run",
+    )
+    ab.add_argument(
+        "--mtp", type=_mtp_list, default=[None, 1, 3], help="without --server: MTP settings (default off,1,3)"
+    )
+    ab.add_argument("--profile", default="cpu-tiny", help="without --server: dsv4-mtp serve profile (default cpu-tiny)")
+    ab.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="without --server: an extra vLLM flag for the servers started here (repeatable; "
+        "--serve-arg=--max-num-seqs --serve-arg=64)",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=3600.0,
+        help="seconds a server started here may take to answer /health (default 3600: Pro loads for tens of minutes)",
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="--base-url / --server: wait up to this long for /health (a server still loading); "
+        "default 0: it must answer now",
+    )
     p.set_defaults(func=run)
     return p
 

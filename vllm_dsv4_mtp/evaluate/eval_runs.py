@@ -11,12 +11,22 @@ def lmeval_run(args, base_url: str, model: str, out_dir: Path, include: Path | N
     from .lmeval import LOCAL_MODEL_ARGS, LOCAL_TASK, LmEvalRun
 
     local = args.task == "local"
-    return LmEvalRun(base_url=base_url, model=model, task=LOCAL_TASK if local else "gsm8k", include_path=include,
-                     num_fewshot=args.num_fewshot, limit=args.limit, num_concurrent=args.num_concurrent,
-                     max_retries=args.max_retries, max_gen_toks=args.max_gen_toks, timeout_s=args.timeout,
-                     batch_size=args.batch_size, output_path=out_dir,
-                     extra_model_args={**(LOCAL_MODEL_ARGS if local else {}), **dict(args.model_arg)},
-                     offline=local or args.offline)
+    return LmEvalRun(
+        base_url=base_url,
+        model=model,
+        task=LOCAL_TASK if local else "gsm8k",
+        include_path=include,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        num_concurrent=args.num_concurrent,
+        max_retries=args.max_retries,
+        max_gen_toks=args.max_gen_toks,
+        timeout_s=args.timeout,
+        batch_size=args.batch_size,
+        output_path=out_dir,
+        extra_model_args={**(LOCAL_MODEL_ARGS if local else {}), **dict(args.model_arg)},
+        offline=local or args.offline,
+    )
 
 
 def prepare_task(args) -> Path | None:
@@ -44,8 +54,12 @@ def evaluate_server(run) -> dict:
     score = run.run()
     wall = time.perf_counter() - t0
     after = scrape(server_root(run.base_url))
-    row = {"score": score.to_dict(), "wall_s": round(wall, 1), "spec_decode": None,
-           "lm_eval_command": run.command_line()}
+    row = {
+        "score": score.to_dict(),
+        "wall_s": round(wall, 1),
+        "spec_decode": None,
+        "lm_eval_command": run.command_line(),
+    }
     if before is not None and after is not None:
         row["spec_decode"] = after.since(before).to_dict()
     return row
@@ -56,8 +70,11 @@ def score_line(res: dict) -> str:
 
     def pm(v, se):
         return f"{v:.4f}" + (f" ± {se:.4f}" if se is not None else "")
-    line = (f"{s['task']} {s['n']} problems {s['num_fewshot']}-shot: strict-match {pm(s['strict'], s['strict_stderr'])}, "
-            f"flexible-extract {pm(s['flexible'], s['flexible_stderr'])}")
+
+    line = (
+        f"{s['task']} {s['n']} problems {s['num_fewshot']}-shot: strict-match {pm(s['strict'], s['strict_stderr'])}, "
+        f"flexible-extract {pm(s['flexible'], s['flexible_stderr'])}"
+    )
     if sd and sd.get("mean_acceptance_length") is not None:
         line += f"; mean acceptance length {sd['mean_acceptance_length']:.3f}"
     return line

@@ -2,8 +2,9 @@
 
 By default the command is exactly vLLM's DeepSeek-V4 recipe (completions endpoint, 8-shot, no chat template)::
 
+    ARGS=model=$MODEL,base_url=http://HOST:PORT/v1/completions,num_concurrent=128,max_retries=10
     lm_eval --model local-completions \\
-        --model_args model=$MODEL,base_url=http://HOST:PORT/v1/completions,num_concurrent=128,max_retries=10,max_gen_toks=2048,timeout=60000 \\
+        --model_args $ARGS,max_gen_toks=2048,timeout=60000 \\
         --batch_size auto --tasks gsm8k --num_fewshot 8 --output_path OUT --log_samples
 
 (``--log_samples`` only makes lm-eval write each answer, which the A/B compares one by one.) lm-eval runs in a
@@ -57,11 +58,16 @@ def write_local_task(out_dir: Path, test_jsonl: Path, fewshot_jsonl: Path, task:
             raise ValueError(f"{p}: line 1 is not JSON ({e})") from None
         missing = [k for k in ("question", "answer") if k not in row]
         if missing:
-            raise ValueError(f"{p}: line 1 has no {' / '.join(missing)} field (GSM8K rows are "
-                             '{"question": ..., "answer": "...\\n#### N"})')
+            raise ValueError(
+                f"{p}: line 1 has no {' / '.join(missing)} field (GSM8K rows are "
+                '{"question": ..., "answer": "...\\n#### N"})'
+            )
     text = TEMPLATE.read_text()
-    for key, val in (("@TASK@", task), ("@TEST_JSONL@", json.dumps(str(Path(test_jsonl).resolve()))),
-                     ("@FEWSHOT_JSONL@", json.dumps(str(Path(fewshot_jsonl).resolve())))):
+    for key, val in (
+        ("@TASK@", task),
+        ("@TEST_JSONL@", json.dumps(str(Path(test_jsonl).resolve()))),
+        ("@FEWSHOT_JSONL@", json.dumps(str(Path(fewshot_jsonl).resolve()))),
+    ):
         text = text.replace(key, val)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -101,16 +107,34 @@ class LmEvalRun:
     offline: bool = False  # run lm-eval with HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
     def model_args(self) -> str:
-        args = {"model": self.model, "base_url": api_root(self.base_url) + "/completions",
-                "num_concurrent": self.num_concurrent, "max_retries": self.max_retries,
-                "max_gen_toks": self.max_gen_toks, "timeout": self.timeout_s, **self.extra_model_args}
+        args = {
+            "model": self.model,
+            "base_url": api_root(self.base_url) + "/completions",
+            "num_concurrent": self.num_concurrent,
+            "max_retries": self.max_retries,
+            "max_gen_toks": self.max_gen_toks,
+            "timeout": self.timeout_s,
+            **self.extra_model_args,
+        }
         return ",".join(f"{k}={v}" for k, v in args.items())
 
     def lm_eval_args(self) -> list[str]:
         """The arguments after ``lm_eval``."""
-        a = ["--model", "local-completions", "--model_args", self.model_args(), "--batch_size", str(self.batch_size),
-             "--tasks", self.task, "--num_fewshot", str(self.num_fewshot),
-             "--output_path", str(self.output_path), "--log_samples"]
+        a = [
+            "--model",
+            "local-completions",
+            "--model_args",
+            self.model_args(),
+            "--batch_size",
+            str(self.batch_size),
+            "--tasks",
+            self.task,
+            "--num_fewshot",
+            str(self.num_fewshot),
+            "--output_path",
+            str(self.output_path),
+            "--log_samples",
+        ]
         if self.include_path is not None:
             a += ["--include_path", str(self.include_path)]
         if self.limit is not None:
@@ -129,7 +153,7 @@ class LmEvalRun:
         prefix = " ".join(f"{k}={v}" for k, v in OFFLINE_ENV.items()) + " " if self.offline else ""
         return prefix + shlex.join(["lm_eval", *self.lm_eval_args()])
 
-    def run(self, *, quiet: bool = False) -> "GsmScore":
+    def run(self, *, quiet: bool = False) -> GsmScore:
         if not quiet:
             print("# " + self.command_line(), file=sys.stderr, flush=True)
         Path(self.output_path).mkdir(parents=True, exist_ok=True)
@@ -137,8 +161,9 @@ class LmEvalRun:
         with open(log, "w") as f:
             rc = subprocess.run(self.argv(), stdout=f, stderr=subprocess.STDOUT, env=self.env()).returncode
         if rc != 0:
-            raise LmEvalError(f"lm-eval exited with status {rc}; its output ({log}):\n"
-                              f"{log.read_text(errors='replace')[-4000:]}")
+            raise LmEvalError(
+                f"lm-eval exited with status {rc}; its output ({log}):\n{log.read_text(errors='replace')[-4000:]}"
+            )
         return parse_results(latest_results_file(self.output_path), self.task)
 
 
@@ -161,8 +186,11 @@ class GsmScore:
     def summary(self) -> str:
         def pm(v, se):
             return f"{v:.4f}" + (f" ± {se:.4f}" if isinstance(se, (int, float)) else "")
-        return (f"{self.task} ({self.n} samples, {self.num_fewshot}-shot): exact_match strict-match "
-                f"{pm(self.strict, self.strict_stderr)}, flexible-extract {pm(self.flexible, self.flexible_stderr)}")
+
+        return (
+            f"{self.task} ({self.n} samples, {self.num_fewshot}-shot): exact_match strict-match "
+            f"{pm(self.strict, self.strict_stderr)}, flexible-extract {pm(self.flexible, self.flexible_stderr)}"
+        )
 
 
 def latest_results_file(output_path: Path) -> Path:
@@ -184,8 +212,9 @@ def parse_results(results: Path | dict, task: str) -> GsmScore:
     try:
         r = data["results"][task]
     except KeyError:
-        raise LmEvalError(f"{source}: no results for task {task!r} "
-                          f"(tasks present: {sorted(data.get('results', {}))})") from None
+        raise LmEvalError(
+            f"{source}: no results for task {task!r} (tasks present: {sorted(data.get('results', {}))})"
+        ) from None
     vals = {}
     for flt in FILTERS:
         key = f"exact_match,{flt}"
@@ -195,10 +224,16 @@ def parse_results(results: Path | dict, task: str) -> GsmScore:
     n_samples = data.get("n-samples", {}).get(task, {})
     n = int(n_samples.get("effective", n_samples.get("original", 0)))
     shots = data.get("n-shot", {}).get(task)
-    return GsmScore(task=task, n=n, num_fewshot=shots, strict=vals["strict-match"][0],
-                    strict_stderr=vals["strict-match"][1], flexible=vals["flexible-extract"][0],
-                    flexible_stderr=vals["flexible-extract"][1],
-                    results_file=None if isinstance(results, dict) else str(results))
+    return GsmScore(
+        task=task,
+        n=n,
+        num_fewshot=shots,
+        strict=vals["strict-match"][0],
+        strict_stderr=vals["strict-match"][1],
+        flexible=vals["flexible-extract"][0],
+        flexible_stderr=vals["flexible-extract"][1],
+        results_file=None if isinstance(results, dict) else str(results),
+    )
 
 
 # ------------------------------------------------------------------------------------ the stock dataset
@@ -212,8 +247,9 @@ def stock_task_dataset(task: str = "gsm8k") -> tuple[str, str | None]:
 
     spec = importlib.util.find_spec("lm_eval")
     if spec is None or not spec.origin:
-        raise LmEvalError("lm-eval is not installed here: pip install 'lm-eval[api]==0.4.13' "
-                          "(the plugin's `eval` extra)")
+        raise LmEvalError(
+            "lm-eval is not installed here: pip install 'lm-eval[api]==0.4.13' (the plugin's `eval` extra)"
+        )
     path = Path(spec.origin).parent / "tasks" / task / f"{task}.yaml"
     try:
         cfg = yaml.safe_load(path.read_text())
@@ -233,25 +269,36 @@ def check_dataset(run: LmEvalRun, timeout_s: float = 1800.0) -> None:
     code = "import sys, datasets; datasets.load_dataset(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)"
     env = run.env()
     try:
-        r = subprocess.run([sys.executable, "-c", code, ds_path, *([ds_name] if ds_name else [])], env=env,
-                           capture_output=True, text=True, timeout=timeout_s)
+        r = subprocess.run(
+            [sys.executable, "-c", code, ds_path, *([ds_name] if ds_name else [])],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
         raise LmEvalError(f"loading {ds_path} did not finish within {timeout_s:.0f} s") from None
     if r.returncode == 0:
         return
     reason = (r.stderr.strip().splitlines() or ["no output"])[-1]
     if "No module named" in reason:
-        raise LmEvalError(f"{reason}: lm-eval's dependencies are not installed here (pip install "
-                          "'lm-eval[api]==0.4.13', the plugin's `eval` extra)")
+        raise LmEvalError(
+            f"{reason}: lm-eval's dependencies are not installed here (pip install "
+            "'lm-eval[api]==0.4.13', the plugin's `eval` extra)"
+        )
     what = f"lm-eval's {run.task} dataset ({ds_path}{f', config {ds_name}' if ds_name else ''})"
     get = f"datasets.load_dataset('{ds_path}'{f', {ds_name!r}' if ds_name else ''})"
     if offline_env(env):
         cache = env.get("HF_DATASETS_CACHE") or env.get("HF_HOME") or "~/.cache/huggingface"
-        raise LmEvalError(f"{what} is not cached ({cache}) and HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set: get it "
-                          f"once with the Hub reachable, python -c \"import datasets; {get}\" (offline variables "
-                          f"unset, same HF_HOME), then rerun; or evaluate the shipped held-out set with --task local")
-    raise LmEvalError(f"cannot download {what} from the Hugging Face Hub ({reason}); check the network, "
-                      "HF_ENDPOINT and HF_TOKEN, or evaluate the shipped held-out set with --task local")
+        raise LmEvalError(
+            f"{what} is not cached ({cache}) and HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set: get it "
+            f'once with the Hub reachable, python -c "import datasets; {get}" (offline variables '
+            f"unset, same HF_HOME), then rerun; or evaluate the shipped held-out set with --task local"
+        )
+    raise LmEvalError(
+        f"cannot download {what} from the Hugging Face Hub ({reason}); check the network, "
+        "HF_ENDPOINT and HF_TOKEN, or evaluate the shipped held-out set with --task local"
+    )
 
 
 # ------------------------------------------------------------------------------------ one answer at a time
@@ -272,13 +319,13 @@ class SampleAnswer:
 def read_samples(results_file: str | Path) -> dict[int, SampleAnswer]:
     """doc_id -> answer, from the ``samples_<task>_<stamp>.jsonl`` lm-eval wrote next to ``results_<stamp>.json``."""
     rf = Path(results_file)
-    stamp = rf.stem[len("results_"):]
+    stamp = rf.stem[len("results_") :]
     files = sorted(rf.parent.glob(f"samples_*_{stamp}.jsonl"))
     if not files:
         raise LmEvalError(f"no samples_*_{stamp}.jsonl next to {rf} (lm-eval runs with --log_samples)")
     by_doc: dict[int, dict[str, dict]] = {}
     for sf in files:
-        for lineno, line in enumerate(sf.read_text().splitlines(), 1):
+        for line in sf.read_text().splitlines():
             if line.strip():
                 s = json.loads(line)
                 by_doc.setdefault(int(s["doc_id"]), {})[s["filter"]] = s
@@ -288,6 +335,12 @@ def read_samples(results_file: str | Path) -> dict[int, SampleAnswer]:
         if missing:
             raise LmEvalError(f"{files[0]}: doc {doc_id} has no {' / '.join(missing)} sample")
         st, fl = per_filter["strict-match"], per_filter["flexible-extract"]
-        out[doc_id] = SampleAnswer(doc_id, st["resps"][0][0], str(st["filtered_resps"][0]),
-                                   bool(st["exact_match"]), str(fl["filtered_resps"][0]), bool(fl["exact_match"]))
+        out[doc_id] = SampleAnswer(
+            doc_id,
+            st["resps"][0][0],
+            str(st["filtered_resps"][0]),
+            bool(st["exact_match"]),
+            str(fl["filtered_resps"][0]),
+            bool(fl["exact_match"]),
+        )
     return out

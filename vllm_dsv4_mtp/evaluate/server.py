@@ -73,15 +73,21 @@ def bound_port(proc: subprocess.Popen, timeout_s: float, poll_s: float = 0.2) ->
         if status is not None:
             raise ServerExitedError(f"process {proc.pid} exited with status {status} before listening", status)
         try:
-            ports = sorted({c.laddr.port for c in psutil.Process(proc.pid).net_connections("tcp")
-                            if c.status == psutil.CONN_LISTEN and c.laddr.ip == LOOPBACK})
+            ports = sorted(
+                {
+                    c.laddr.port
+                    for c in psutil.Process(proc.pid).net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN and c.laddr.ip == LOOPBACK
+                }
+            )
         except psutil.NoSuchProcess:
             ports = []
         if len(ports) == 1:
             return ports[0]
         if len(ports) > 1:
-            raise ServerStartError(f"process {proc.pid} listens on {len(ports)} loopback ports {ports}, "
-                                   "expected one (its HTTP server's)")
+            raise ServerStartError(
+                f"process {proc.pid} listens on {len(ports)} loopback ports {ports}, expected one (its HTTP server's)"
+            )
         if time.monotonic() - t0 >= timeout_s:
             raise ServerNotReadyError(f"process {proc.pid} was not listening on {LOOPBACK} after {timeout_s:.0f} s")
         time.sleep(poll_s)
@@ -106,18 +112,42 @@ class ServerSpec:
     extra_args: list[str] = field(default_factory=list)
 
     def serve_argv(self, port: int) -> list[str]:
-        spec = (["--speculative-config", "null"] if self.mtp_k is None
-                else ["--speculative-config.num_speculative_tokens", str(self.mtp_k)])
+        spec = (
+            ["--speculative-config", "null"]
+            if self.mtp_k is None
+            else ["--speculative-config.num_speculative_tokens", str(self.mtp_k)]
+        )
         name = [] if self.served_model_name is None else ["--served-model-name", self.served_model_name]
-        return [sys.executable, "-m", "vllm_dsv4_mtp.serve.cli", "--profile", self.profile, str(self.model),
-                "--host", LOOPBACK, "--port", str(port), *name, *spec, *self.extra_args]
+        return [
+            sys.executable,
+            "-m",
+            "vllm_dsv4_mtp.serve.cli",
+            "--profile",
+            self.profile,
+            str(self.model),
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(port),
+            *name,
+            *spec,
+            *self.extra_args,
+        ]
 
 
 class ManagedServer:
     """``with ManagedServer(spec) as srv: srv.base_url ...`` (see the module docstring)."""
 
-    def __init__(self, spec: ServerSpec, *, port: int | None = None, log_path: Path | None = None,
-                 start_timeout_s: float = 600.0, stop_timeout_s: float = 90.0, quiet: bool = False) -> None:
+    def __init__(
+        self,
+        spec: ServerSpec,
+        *,
+        port: int | None = None,
+        log_path: Path | None = None,
+        start_timeout_s: float = 600.0,
+        stop_timeout_s: float = 90.0,
+        quiet: bool = False,
+    ) -> None:
         self.spec = spec
         self.given_port = port
         self.port = port  # None until start() reads the port the server bound (see the module docstring)
@@ -141,19 +171,21 @@ class ManagedServer:
         except OSError:
             return ""
 
-    def start(self) -> "ManagedServer":
+    def start(self) -> ManagedServer:
         self.port = self.given_port
         argv = self.spec.serve_argv(self.port or 0)
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
         if not self.quiet:
-            print(f"# starting {spec_label(self.spec.mtp_k)} server: {' '.join(argv[1:])}\n#   log: {self.log_path}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"# starting {spec_label(self.spec.mtp_k)} server: {' '.join(argv[1:])}\n#   log: {self.log_path}",
+                file=sys.stderr,
+                flush=True,
+            )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         t0 = time.monotonic()
         try:
             self._wait_healthy()
@@ -171,14 +203,21 @@ class ManagedServer:
         try:
             if self.port is None:
                 self.port = bound_port(self.proc, self.start_timeout_s)
-            wait_healthy(self.base_url, max(0.0, self.start_timeout_s - (time.monotonic() - t0)), poll_s=1.0,
-                         exit_status=self.proc.poll, progress=False)
+            wait_healthy(
+                self.base_url,
+                max(0.0, self.start_timeout_s - (time.monotonic() - t0)),
+                poll_s=1.0,
+                exit_status=self.proc.poll,
+                progress=False,
+            )
         except ServerExitedError as e:
-            raise ServerStartError(f"{what} exited with status {e.status} before becoming healthy; log "
-                                   f"{self.log_path}:\n{self.log_tail()}") from None
+            raise ServerStartError(
+                f"{what} exited with status {e.status} before becoming healthy; log {self.log_path}:\n{self.log_tail()}"
+            ) from None
         except ServerNotReadyError:
-            raise ServerStartError(f"{what} was not healthy after {self.start_timeout_s:.0f} s; log "
-                                   f"{self.log_path}:\n{self.log_tail()}") from None
+            raise ServerStartError(
+                f"{what} was not healthy after {self.start_timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}"
+            ) from None
         except ServerStartError as e:  # bound_port found more than one listening socket
             raise ServerStartError(f"{what}: {e}; log {self.log_path}:\n{self.log_tail()}") from None
 
@@ -202,15 +241,21 @@ class ManagedServer:
         except subprocess.TimeoutExpired:
             return None
 
-    def __enter__(self) -> "ManagedServer":
+    def __enter__(self) -> ManagedServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
 
-def wait_healthy(base_url: str, timeout_s: float = 0.0, poll_s: float = 2.0, *,
-                 exit_status: Callable[[], int | None] | None = None, progress: bool = True) -> None:
+def wait_healthy(
+    base_url: str,
+    timeout_s: float = 0.0,
+    poll_s: float = 2.0,
+    *,
+    exit_status: Callable[[], int | None] | None = None,
+    progress: bool = True,
+) -> None:
     """Return once ``GET /health`` answers 200; try once (``timeout_s=0``) or keep trying for ``timeout_s``
     seconds (a server still loading its model), saying every minute that it is waiting (``progress``).
 
@@ -230,8 +275,7 @@ def wait_healthy(base_url: str, timeout_s: float = 0.0, poll_s: float = 2.0, *,
             last = str(e)
         status = None if exit_status is None else exit_status()
         if status is not None:
-            raise ServerExitedError(f"the server for {url} exited with status {status} before becoming healthy",
-                                    status)
+            raise ServerExitedError(f"the server for {url} exited with status {status} before becoming healthy", status)
         now = time.monotonic()
         if now - t0 >= timeout_s:
             waited = f" after waiting {timeout_s:.0f} s" if timeout_s else ""

@@ -21,8 +21,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from vllm_dsv4_mtp.formats.shards import (  # re-exported: the header layer of this module
     DTYPE_BYTES,
@@ -82,12 +83,16 @@ def tokenizer_problems(path: str | Path) -> list[str]:
     present = [n for n in wanted + ("tokenizer.model",) if (d / n).exists()]
     if not (d / "tokenizer.json").exists() and not (d / "tokenizer.model").exists():
         have = f"it has {', '.join(present)}" if present else "it has none of them"
-        problems.append(f"{d}: no tokenizer: expected tokenizer.json (or a sentencepiece tokenizer.model) and "
-                        f"tokenizer_config.json in the checkpoint folder, {have}; copy the tokenizer files of the "
-                        f"checkpoint this one was made from, or serve with --tokenizer DIR")
+        problems.append(
+            f"{d}: no tokenizer: expected tokenizer.json (or a sentencepiece tokenizer.model) and "
+            f"tokenizer_config.json in the checkpoint folder, {have}; copy the tokenizer files of the "
+            f"checkpoint this one was made from, or serve with --tokenizer DIR"
+        )
     elif not (d / "tokenizer_config.json").exists():
-        problems.append(f"{d}: no tokenizer_config.json beside {present[0]} (it says the tokenizer class and the "
-                        f"special tokens); copy it from the checkpoint this one was made from")
+        problems.append(
+            f"{d}: no tokenizer_config.json beside {present[0]} (it says the tokenizer class and the "
+            f"special tokens); copy it from the checkpoint this one was made from"
+        )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         f = d / name
         if not f.exists():
@@ -99,6 +104,7 @@ def tokenizer_problems(path: str | Path) -> list[str]:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             problems.append(f"{f}: not valid JSON: {e}")
     return problems
+
 
 class CheckpointReader:
     """A DeepSeek-V4 checkpoint directory, opened header-only.
@@ -133,10 +139,11 @@ class CheckpointReader:
 
     def _add_shard(self, f: Path) -> dict[str, TensorInfo]:
         infos, meta = read_safetensors_header(f)
-        for name, info in infos.items():
+        for name in infos:
             if name in self.tensors:
                 raise CheckpointError(
-                    f"{self.path}: tensor '{name}' is stored twice: in {self.tensors[name].file.name} and {f.name}")
+                    f"{self.path}: tensor '{name}' is stored twice: in {self.tensors[name].file.name} and {f.name}"
+                )
         self.shards.append(f)
         self.metadata[f] = meta
         self.tensors.update(infos)
@@ -150,12 +157,13 @@ class CheckpointReader:
             infos = self._add_shard(f)
             for name in names:
                 if name not in infos:
-                    raise CheckpointError(f"{index}: tensor '{name}' is mapped to '{shard}', which does not "
-                                          f"contain it")
+                    raise CheckpointError(f"{index}: tensor '{name}' is mapped to '{shard}', which does not contain it")
             extra = [n for n in infos if weight_map.get(n) != shard]
             if extra:
-                raise CheckpointError(f"{f}: tensor '{extra[0]}' is stored in this shard but {INDEX_FILE} "
-                                      f"does not list it here ({len(extra)} such tensors)")
+                raise CheckpointError(
+                    f"{f}: tensor '{extra[0]}' is stored in this shard but {INDEX_FILE} "
+                    f"does not list it here ({len(extra)} such tensors)"
+                )
         others = sorted(p.name for p in self.path.glob("*.safetensors") if p.name not in by_shard)
         if others:
             raise CheckpointError(f"{index}: {others[0]} is in the directory but not listed in the index")
@@ -208,7 +216,7 @@ class CheckpointReader:
         return sum(i.nbytes for i in self.tensors.values())
 
     # ------------------------------------------------------------------ data
-    def get(self, name: str) -> "torch.Tensor":
+    def get(self, name: str) -> torch.Tensor:
         """Load one tensor (its stored dtype; E8M0 as ``torch.float8_e8m0fnu``)."""
         from safetensors import safe_open
 
@@ -232,19 +240,19 @@ class CheckpointReader:
             raise CheckpointError(f"{info.file}: truncated data for tensor '{name}'")
         return data
 
-    def iter_shards(self) -> Iterator[tuple[Path, dict[str, "torch.Tensor"]]]:
+    def iter_shards(self) -> Iterator[tuple[Path, dict[str, torch.Tensor]]]:
         """Yield ``(shard_path, {name: tensor})`` one shard at a time: memory stays bounded by one shard."""
         for shard in self.shards:
             yield shard, self.load_shard(shard)
 
-    def load_shard(self, shard: str | Path) -> dict[str, "torch.Tensor"]:
+    def load_shard(self, shard: str | Path) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
 
         f = self.path / Path(shard).name
         with safe_open(str(f), framework="pt") as h:
             return {n: h.get_tensor(n) for n in self.shard_names(f)}
 
-    def iter_tensors(self) -> Iterator[tuple[str, "torch.Tensor"]]:
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` in storage order, one tensor in memory at a time."""
         from safetensors import safe_open
 
@@ -258,15 +266,29 @@ class CheckpointReader:
 # Writing
 # ------------------------------------------------------------------------------------------------------
 _TORCH_DTYPE_NAMES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0", "float8_e4m3fnuz": "F8_E4M3FNUZ",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ", "uint16": "U16", "uint32": "U32", "uint64": "U64",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "uint16": "U16",
+    "uint32": "U32",
+    "uint64": "U64",
     "float4_e2m1fn_x2": "F4",
 }
 
 
-def torch_dtype_name(dtype: "torch.dtype") -> str:
+def torch_dtype_name(dtype: torch.dtype) -> str:
     """The safetensors dtype name of a torch dtype."""
     name = str(dtype).removeprefix("torch.")
     if name not in _TORCH_DTYPE_NAMES:
@@ -274,7 +296,7 @@ def torch_dtype_name(dtype: "torch.dtype") -> str:
     return _TORCH_DTYPE_NAMES[name]
 
 
-def _torch_dtype(name: str) -> "torch.dtype":
+def _torch_dtype(name: str) -> torch.dtype:
     import torch
 
     inv = {v: k for k, v in _TORCH_DTYPE_NAMES.items()}
@@ -289,8 +311,9 @@ class CheckpointWriter:
     the index; a single shard is written as ``model.safetensors`` with no index unless ``always_index``.
     """
 
-    def __init__(self, path: str | Path, max_shard_bytes: int = 5 * 2**30, *, always_index: bool = False,
-                 overwrite: bool = False):
+    def __init__(
+        self, path: str | Path, max_shard_bytes: int = 5 * 2**30, *, always_index: bool = False, overwrite: bool = False
+    ):
         self.path = Path(path)
         if max_shard_bytes <= 0:
             raise ValueError("max_shard_bytes must be > 0")
@@ -302,14 +325,14 @@ class CheckpointWriter:
                 f.unlink(missing_ok=True)
         self.max_shard_bytes = max_shard_bytes
         self.always_index = always_index
-        self._buf: dict[str, "torch.Tensor"] = {}
+        self._buf: dict[str, torch.Tensor] = {}
         self._buf_bytes = 0
         self._tmp_shards: list[tuple[Path, list[str]]] = []
         self._names: set[str] = set()
         self._total = 0
         self._closed = False
 
-    def __enter__(self) -> "CheckpointWriter":
+    def __enter__(self) -> CheckpointWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -319,7 +342,7 @@ class CheckpointWriter:
             for f, _ in self._tmp_shards:
                 f.unlink(missing_ok=True)
 
-    def add(self, name: str, tensor: "torch.Tensor") -> None:
+    def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue one tensor (stored in its own dtype, contiguous)."""
         if self._closed:
             raise CheckpointError(f"{self.path}: writer is closed")

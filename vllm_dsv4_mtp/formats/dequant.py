@@ -91,13 +91,16 @@ class Dequantizer:
                 return Decoded(name, dequantize_block_fp8(w, s, dtype=self.dtype, name=name), FP8_BLOCK)
             if w.dtype in _PACKED:
                 if s.dtype not in _E8M0:
-                    raise ValueError(f"{scale_name}: an FP4 scale must be raw E8M0 bytes (uint8 / float8_e8m0fnu), "
-                                     f"got {s.dtype}")
+                    raise ValueError(
+                        f"{scale_name}: an FP4 scale must be raw E8M0 bytes (uint8 / float8_e8m0fnu), got {s.dtype}"
+                    )
                 stored = FP4_OFFICIAL if w.dtype == torch.int8 else MXFP4
                 values = mxfp4.dequantize(w.view(torch.uint8), s.view(torch.uint8), dtype=self.dtype)
                 return Decoded(name, values, stored)
         except (TypeError, ValueError) as e:
             msg = str(e)
             raise ValueError(f"{self.source}: {msg if msg.startswith(name) else f'{name}: {msg}'}") from None
-        raise ValueError(f"{self.source}: {scale_name}: a scale came with a {w.dtype} weight; expected FP8 "
-                         "(float8_e4m3fn) or packed FP4 (uint8 / int8)")
+        raise ValueError(
+            f"{self.source}: {scale_name}: a scale came with a {w.dtype} weight; expected FP8 "
+            "(float8_e4m3fn) or packed FP4 (uint8 / int8)"
+        )

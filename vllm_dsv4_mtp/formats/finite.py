@@ -35,8 +35,11 @@ def describe_nonfinite(t: torch.Tensor) -> str | None:
     """``"3 NaN, 1 +Inf of 16384 values"`` for a float tensor with non-finite values, else None."""
     if not has_nonfinite(t):
         return None
-    counts = {"NaN": int(torch.isnan(t).sum()), "+Inf": int(torch.isposinf(t).sum()),
-              "-Inf": int(torch.isneginf(t).sum())}
+    counts = {
+        "NaN": int(torch.isnan(t).sum()),
+        "+Inf": int(torch.isposinf(t).sum()),
+        "-Inf": int(torch.isneginf(t).sum()),
+    }
     return _counts(counts, t.numel())
 
 
@@ -59,8 +62,11 @@ def stored_nonfinite(name: str, dtype: str, data: torch.Tensor) -> str | None:
         if not bool(special.any()):
             return None
         inf = special & ((raw & 0x03) == 0)
-        counts = {"NaN": int((special & ~inf).sum()), "+Inf": int((inf & (raw < 0x80)).sum()),
-                  "-Inf": int((inf & (raw >= 0x80)).sum())}
+        counts = {
+            "NaN": int((special & ~inf).sum()),
+            "+Inf": int((inf & (raw < 0x80)).sum()),
+            "-Inf": int((inf & (raw >= 0x80)).sum()),
+        }
         return _counts(counts, raw.numel())
     if dtype == "F8_E8M0" or (dtype == "U8" and name.endswith(SCALE_SUFFIXES)):
         return _bytes_matching(raw, 0xFF, 0xFF, "NaN")

@@ -52,9 +52,16 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.view(rows, block, cols, block)
 
 
-def dequantize_block_fp8(weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-                         *, name: str | None = None, block: int = FP8_BLOCK) -> torch.Tensor:
-    """``weight_fp8`` float8_e4m3fn ``[out, in]`` x ``scale [ceil(out/128), ceil(in/128)]`` -> ``[out, in]`` in ``dtype``.
+def dequantize_block_fp8(
+    weight_fp8: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    name: str | None = None,
+    block: int = FP8_BLOCK,
+) -> torch.Tensor:
+    """``weight_fp8`` float8_e4m3fn ``[out, in]`` x ``scale [ceil(out/128), ceil(in/128)]`` -> ``[out, in]`` in
+    ``dtype``.
 
     ``scale`` is float32 (or bf16/fp16) values, or raw E8M0 bytes (uint8 / float8_e8m0fnu). The product is
     formed in float32 and then cast: with E8M0 scales it is exact (4 significant bits times a power of two),
@@ -77,8 +84,9 @@ def dequantize_block_fp8(weight_fp8: torch.Tensor, scale: torch.Tensor, dtype: t
     return blocks.view(want[0] * block, want[1] * block)[:out_f, :in_f].to(dtype)
 
 
-def quantize_block_fp8(w: torch.Tensor, scale_format: str = "e8m0", *,
-                       block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_block_fp8(
+    w: torch.Tensor, scale_format: str = "e8m0", *, block: int = FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [out, in]`` float -> (float8_e4m3fn ``[out, in]``, scale ``[ceil(out/128), ceil(in/128)]``).
 
     For building test checkpoints in the official layout. ``scale_format="e8m0"``: the scale is the smallest

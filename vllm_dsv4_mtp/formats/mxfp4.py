@@ -51,8 +51,24 @@ E2M1_MAX = 6.0
 _E2M1_EMAX = 2  # floor(log2(6)): the scale exponent is floor(log2(amax)) - 2
 
 # E2M1 value of each 4-bit code (bit 3 = sign).
-E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                                  -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES: tuple[float, ...] = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 
 # Midpoints between neighbouring E2M1 magnitudes. Round-half-to-even sends a tie to the neighbour with an
 # even code (mantissa bit 0): 0.25 -> 0, 1.25 -> 1, 2.5 -> 2, 5 -> 4 go DOWN (so |v| must exceed them),
@@ -183,8 +199,9 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return _byte_lut(b.device)[b.long()].reshape(*b.shape[:-1], b.shape[-1] * 2)
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
-               group_size: int = BLOCK_SIZE) -> torch.Tensor:
+def dequantize(
+    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32, group_size: int = BLOCK_SIZE
+) -> torch.Tensor:
     """(packed ``[..., K // 2]``, scales ``[..., K // group_size]``) -> values ``[..., K]`` in ``dtype``.
 
     The product is formed in float32, where it is exact (or +-inf on overflow), then cast.
@@ -231,7 +248,8 @@ def _grid_offset(v: torch.Tensor) -> torch.Tensor:
     # the exponent field kept in place (the sign bit dropped), clamped, plus 22 and the significand's top bit
     # (a NaN's C is any of the three: NaN + C - C is NaN)
     return ((v.view(torch.int32) & 0x7F800000).clamp_(127 << 23, 129 << 23) + ((22 << 23) | (1 << 22))).view(
-        torch.float32)
+        torch.float32
+    )
 
 
 def _even_scale(amax: torch.Tensor) -> torch.Tensor:

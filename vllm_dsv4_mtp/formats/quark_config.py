@@ -22,8 +22,9 @@ from __future__ import annotations
 import copy
 import fnmatch
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 QUARK_VERSION = "0.13"
 MX_GROUP = 32
@@ -32,9 +33,27 @@ FP8_BLOCK = [128, 128]
 _LAYER_KEYS = ("input_tensors", "output_tensors", "weight", "bias")
 _QSCHEMES = ("per_tensor", "per_channel", "per_group", "per_block")
 _TENSOR_DTYPES = (
-    "int2", "int3", "int4", "uint4", "int8", "uint8", "int16", "uint16", "int32",
-    "fp8_e4m3", "fp8_e5m2", "fp8_e5m3", "fp4", "fp6_e2m3", "fp6_e3m2", "mx", "mx6", "mx9", "bfp16",
-    "bfloat16", "float16",
+    "int2",
+    "int3",
+    "int4",
+    "uint4",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_e5m3",
+    "fp4",
+    "fp6_e2m3",
+    "fp6_e3m2",
+    "mx",
+    "mx6",
+    "mx9",
+    "bfp16",
+    "bfloat16",
+    "float16",
 )
 # Module-name suffixes of the tensors a module owns; `is_excluded` / `spec_for` accept tensor names too.
 _TENSOR_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale", ".weight", ".scale", ".bias")
@@ -48,13 +67,26 @@ class QuarkConfigError(ValueError):
 # Tensor specs exactly as Quark 0.13 serialises them
 # ----------------------------------------------------------------------------------------------------------
 
+
 def _tensor_spec(**fields: Any) -> dict[str, Any]:
     """One Quark ``QTensorConfig.to_dict()``: every field, in Quark's order, defaults as Quark writes them."""
     spec = {
-        "dtype": None, "is_dynamic": None, "qscheme": None, "ch_axis": None, "group_size": None,
-        "block_size": None, "symmetric": None, "round_method": None, "scale_type": None,
-        "zero_point_type": "int32", "scale_format": None, "scale_calculation_mode": None,
-        "mx_element_dtype": None, "observer_cls": None, "is_scale_quant": False, "enable_buffer_reuse": False,
+        "dtype": None,
+        "is_dynamic": None,
+        "qscheme": None,
+        "ch_axis": None,
+        "group_size": None,
+        "block_size": None,
+        "symmetric": None,
+        "round_method": None,
+        "scale_type": None,
+        "zero_point_type": "int32",
+        "scale_format": None,
+        "scale_calculation_mode": None,
+        "mx_element_dtype": None,
+        "observer_cls": None,
+        "is_scale_quant": False,
+        "enable_buffer_reuse": False,
         "max_input_numel": 4194304,
     }
     unknown = set(fields) - set(spec)
@@ -66,14 +98,28 @@ def _tensor_spec(**fields: Any) -> dict[str, Any]:
 
 def ocp_mxfp4_spec(is_dynamic: bool) -> dict[str, Any]:
     """``OCP_MXFP4Spec(ch_axis=-1, is_dynamic=...)``: fp4 E2M1, groups of 32 along K, E8M0 "even" scales."""
-    return _tensor_spec(dtype="fp4", is_dynamic=is_dynamic, qscheme="per_group", ch_axis=-1, group_size=MX_GROUP,
-                        round_method="half_even", scale_type="float", scale_format="e8m0",
-                        scale_calculation_mode="even", observer_cls="PerBlockMXObserver")
+    return _tensor_spec(
+        dtype="fp4",
+        is_dynamic=is_dynamic,
+        qscheme="per_group",
+        ch_axis=-1,
+        group_size=MX_GROUP,
+        round_method="half_even",
+        scale_type="float",
+        scale_format="e8m0",
+        scale_calculation_mode="even",
+        observer_cls="PerBlockMXObserver",
+    )
 
 
 def _layer(weight: dict | None, input_tensors: dict | None) -> dict[str, Any]:
-    return {"input_tensors": input_tensors, "output_tensors": None, "weight": weight, "bias": None,
-            "target_device": None}
+    return {
+        "input_tensors": input_tensors,
+        "output_tensors": None,
+        "weight": weight,
+        "bias": None,
+        "target_device": None,
+    }
 
 
 def mxfp4_layer_config() -> dict[str, Any]:
@@ -85,17 +131,32 @@ def fp8_block_layer_config(scale_type: str = "float8_e8m0fnu") -> dict[str, Any]
     """FP8 e4m3 weights in 128x128 blocks with dynamic 1x128 activations, as Quark's file-to-file flow describes
     an FP8 layer it keeps from the source (``keep_excluded_layers_as_original_model_state=True``).
     ``scale_type``: "float8_e8m0fnu" (the DeepSeek-V4 release's ue8m0 scales) or "float32"."""
-    weight = _tensor_spec(dtype="fp8_e4m3", is_dynamic=False, qscheme="per_block", block_size=list(FP8_BLOCK),
-                          symmetric=True, round_method="half_even", scale_type=scale_type,
-                          observer_cls="PerBlock2DMinMaxObserver")
-    inputs = _tensor_spec(dtype="fp8_e4m3", is_dynamic=True, qscheme="per_group", ch_axis=-1,
-                          group_size=FP8_BLOCK[1], symmetric=True, round_method="half_even",
-                          observer_cls="PerGroupMinMaxObserver")
+    weight = _tensor_spec(
+        dtype="fp8_e4m3",
+        is_dynamic=False,
+        qscheme="per_block",
+        block_size=list(FP8_BLOCK),
+        symmetric=True,
+        round_method="half_even",
+        scale_type=scale_type,
+        observer_cls="PerBlock2DMinMaxObserver",
+    )
+    inputs = _tensor_spec(
+        dtype="fp8_e4m3",
+        is_dynamic=True,
+        qscheme="per_group",
+        ch_axis=-1,
+        group_size=FP8_BLOCK[1],
+        symmetric=True,
+        round_method="half_even",
+        observer_cls="PerGroupMinMaxObserver",
+    )
     return _layer(weight, inputs)
 
 
-def mxfp4_experts_config(exclude: list[str], *, layer_quant_config: Mapping[str, dict] | None = None,
-                         version: str = QUARK_VERSION) -> dict[str, Any]:
+def mxfp4_experts_config(
+    exclude: list[str], *, layer_quant_config: Mapping[str, dict] | None = None, version: str = QUARK_VERSION
+) -> dict[str, Any]:
     """The ``quantization_config`` dict exactly as AMD Quark's export writes it for MXFP4 experts.
 
     Global scheme: weights static MXFP4, activations dynamic MXFP4, group 32, e8m0, "even", half_even
@@ -117,14 +178,20 @@ def mxfp4_experts_config(exclude: list[str], *, layer_quant_config: Mapping[str,
         "kv_cache_post_rope": False,
         "quant_mode": "eager_mode",
         "version": version,
-        "export": {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder",
-                   "weight_format": "real_quantized", "weight_merge_groups": None},
+        "export": {
+            "kv_cache_group": [],
+            "min_kv_scale": 0.0,
+            "pack_method": "reorder",
+            "weight_format": "real_quantized",
+            "weight_merge_groups": None,
+        },
     }
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Matching
 # ----------------------------------------------------------------------------------------------------------
+
 
 def module_name(name: str) -> str:
     """``layers.3.ffn.experts.7.w1.weight_scale`` -> ``layers.3.ffn.experts.7.w1``; other names unchanged."""
@@ -156,14 +223,17 @@ def classify_weight_spec(weight: Any) -> str | None:
     dtype, qscheme = weight.get("dtype"), weight.get("qscheme")
     if dtype == "fp4" and qscheme == "per_group":
         if weight.get("group_size") != MX_GROUP or weight.get("scale_format") != "e8m0":
-            raise ValueError(f"fp4 per_group weights need group_size {MX_GROUP} and scale_format 'e8m0' to be "
-                             f"OCP MXFP4, got group_size={weight.get('group_size')!r}, "
-                             f"scale_format={weight.get('scale_format')!r}")
+            raise ValueError(
+                f"fp4 per_group weights need group_size {MX_GROUP} and scale_format 'e8m0' to be "
+                f"OCP MXFP4, got group_size={weight.get('group_size')!r}, "
+                f"scale_format={weight.get('scale_format')!r}"
+            )
         return "mxfp4"
     if dtype == "fp8_e4m3" and qscheme == "per_block":
         if list(weight.get("block_size") or []) != FP8_BLOCK:
-            raise ValueError(f"fp8_e4m3 per_block weights need block_size {FP8_BLOCK}, "
-                             f"got {weight.get('block_size')!r}")
+            raise ValueError(
+                f"fp8_e4m3 per_block weights need block_size {FP8_BLOCK}, got {weight.get('block_size')!r}"
+            )
         return "fp8-block"
     raise ValueError(f"weight scheme dtype={dtype!r} qscheme={qscheme!r} is not MXFP4 or FP8 128x128 blocks")
 
@@ -182,8 +252,9 @@ class QuarkQuantConfig:
 
     # -------------------------------------------------------------------------------------------- parsing
     @classmethod
-    def from_dict(cls, d: Any, source: str = "config.json") -> "QuarkQuantConfig":
-        """Validate ``d`` (the ``quantization_config`` object); errors read ``<source>: quantization_config.<field>: ...``."""
+    def from_dict(cls, d: Any, source: str = "config.json") -> QuarkQuantConfig:
+        """Validate ``d`` (the ``quantization_config`` object); errors read
+        ``<source>: quantization_config.<field>: ...``."""
 
         def err(path: str, msg: str) -> QuarkConfigError:
             return QuarkConfigError(f"{source}: quantization_config{'.' + path if path else ''}: {msg}")
@@ -194,8 +265,12 @@ class QuarkQuantConfig:
             raise err("quant_method", f"expected 'quark', got {d.get('quant_method')!r}")
         export = d.get("export")
         if not isinstance(export, Mapping):
-            raise err("export", "missing (vLLM's QuarkConfig requires the export block)" if export is None
-                      else f"expected an object, got {type(export).__name__}")
+            raise err(
+                "export",
+                "missing (vLLM's QuarkConfig requires the export block)"
+                if export is None
+                else f"expected an object, got {type(export).__name__}",
+            )
         if not isinstance(export.get("pack_method"), str):
             raise err("export.pack_method", f"expected a string, got {export.get('pack_method')!r}")
         if not isinstance(export.get("kv_cache_group", []), list):
@@ -222,10 +297,15 @@ class QuarkQuantConfig:
             if not isinstance(entry, str):
                 raise err(f"exclude[{i}]", f"expected a string, got {entry!r}")
             _check_pattern(entry, f"exclude[{i}]", err)
-        return cls(global_quant_config=copy.deepcopy(dict(global_cfg)) if global_cfg is not None else None,
-                   layer_quant_config={k: copy.deepcopy(dict(v)) for k, v in layer_cfg.items()},
-                   layer_type_quant_config={k: copy.deepcopy(dict(v)) for k, v in type_cfg.items()},
-                   exclude=list(exclude), export=dict(export), raw=copy.deepcopy(dict(d)), source=source)
+        return cls(
+            global_quant_config=copy.deepcopy(dict(global_cfg)) if global_cfg is not None else None,
+            layer_quant_config={k: copy.deepcopy(dict(v)) for k, v in layer_cfg.items()},
+            layer_type_quant_config={k: copy.deepcopy(dict(v)) for k, v in type_cfg.items()},
+            exclude=list(exclude),
+            export=dict(export),
+            raw=copy.deepcopy(dict(d)),
+            source=source,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The dict it was parsed from (a copy)."""
@@ -264,7 +344,8 @@ class QuarkQuantConfig:
             return classify_weight_spec(cfg.get("weight"))
         except ValueError as e:
             raise QuarkConfigError(
-                f"{self.source}: quantization_config.{path}.weight (for {native_name}): {e}") from None
+                f"{self.source}: quantization_config.{path}.weight (for {native_name}): {e}"
+            ) from None
 
 
 def _or_default(d: Mapping[str, Any], key: str, default: Any) -> Any:
@@ -315,7 +396,13 @@ def _check_tensor_spec(spec: Any, path: str, err) -> None:
     ch_axis = spec.get("ch_axis")
     if ch_axis is not None and (not isinstance(ch_axis, int) or isinstance(ch_axis, bool)):
         raise err(f"{path}.ch_axis", f"expected an integer or null, got {ch_axis!r}")
-    if dtype == "fp4" and qscheme == "per_group" and spec.get("scale_format") == "e8m0" \
-            and spec.get("group_size") != MX_GROUP:
-        raise err(f"{path}.group_size", f"OCP MXFP4 (fp4, e8m0 scales) uses groups of {MX_GROUP}, "
-                                        f"got {spec.get('group_size')!r}")
+    if (
+        dtype == "fp4"
+        and qscheme == "per_group"
+        and spec.get("scale_format") == "e8m0"
+        and spec.get("group_size") != MX_GROUP
+    ):
+        raise err(
+            f"{path}.group_size",
+            f"OCP MXFP4 (fp4, e8m0 scales) uses groups of {MX_GROUP}, got {spec.get('group_size')!r}",
+        )

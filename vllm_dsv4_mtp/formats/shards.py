@@ -15,18 +15,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CheckpointError", "TensorInfo", "DTYPE_BYTES", "INDEX_FILE", "read_safetensors_header", "weight_files",
-           "index_shards", "validate_shard_headers"]
+__all__ = [
+    "CheckpointError",
+    "TensorInfo",
+    "DTYPE_BYTES",
+    "INDEX_FILE",
+    "read_safetensors_header",
+    "weight_files",
+    "index_shards",
+    "validate_shard_headers",
+]
 
 INDEX_FILE = "model.safetensors.index.json"
 
 # Bytes per element for each safetensors dtype ("F4" packs two elements per byte: its shape counts elements).
 DTYPE_BYTES: dict[str, float] = {
-    "F64": 8, "I64": 8, "U64": 8, "C64": 8,
-    "F32": 4, "I32": 4, "U32": 4,
-    "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-    "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1,
-    "I8": 1, "U8": 1, "BOOL": 1,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "C64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "F8_E4M3": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
     "F4": 0.5,
 }
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit
@@ -73,8 +95,9 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, TensorInfo], di
                 raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
             (n,) = struct.unpack("<Q", head)
             if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{path}: corrupt or truncated safetensors header (header length {n}, file "
-                                      f"size {size})")
+                raise CheckpointError(
+                    f"{path}: corrupt or truncated safetensors header (header length {n}, file size {size})"
+                )
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
@@ -104,8 +127,10 @@ def _header_entry(path: Path, name: str, h: Any, data_start: int) -> TensorInfo:
         raise CheckpointError(f"{path}: tensor '{name}' has a negative dimension in shape {list(shape)}")
     want = math.ceil(math.prod(shape) * DTYPE_BYTES[dtype])
     if b < 0 or e - b != want:
-        raise CheckpointError(f"{path}: tensor '{name}' ({dtype} {list(shape)}) has data_offsets [{b}, {e}] that "
-                              f"do not match its size ({want} bytes)")
+        raise CheckpointError(
+            f"{path}: tensor '{name}' ({dtype} {list(shape)}) has data_offsets [{b}, {e}] that "
+            f"do not match its size ({want} bytes)"
+        )
     return TensorInfo(name, dtype, shape, path, data_start + b, data_start + e)
 
 
@@ -116,16 +141,22 @@ def _check_coverage(path: Path, infos: list[TensorInfo], data_start: int, size: 
         if i.begin != pos:
             what = "overlaps" if i.begin < pos else "leaves a gap after"
             after = f"the previous tensor '{prev.name}'" if prev else "the header"
-            raise CheckpointError(f"{path}: corrupt safetensors file: tensor '{i.name}' at data_offsets "
-                                  f"[{i.begin - data_start}, {i.end - data_start}] {what} {after} (data offset "
-                                  f"{pos - data_start})")
+            raise CheckpointError(
+                f"{path}: corrupt safetensors file: tensor '{i.name}' at data_offsets "
+                f"[{i.begin - data_start}, {i.end - data_start}] {what} {after} (data offset "
+                f"{pos - data_start})"
+            )
         pos, prev = i.end, i
     if pos > size:
-        raise CheckpointError(f"{path}: truncated safetensors file: its header describes {pos - data_start} data "
-                              f"bytes (through tensor '{prev.name}') but the file holds only {size - data_start}")
+        raise CheckpointError(
+            f"{path}: truncated safetensors file: its header describes {pos - data_start} data "
+            f"bytes (through tensor '{prev.name}') but the file holds only {size - data_start}"
+        )
     if pos < size:
-        raise CheckpointError(f"{path}: corrupt safetensors file: {size - pos} byte(s) after the last tensor's data "
-                              f"(the header covers {pos - data_start} of {size - data_start} data bytes)")
+        raise CheckpointError(
+            f"{path}: corrupt safetensors file: {size - pos} byte(s) after the last tensor's data "
+            f"(the header covers {pos - data_start} of {size - data_start} data bytes)"
+        )
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -151,8 +182,9 @@ def index_shards(index: Path) -> dict[str, list[str]]:
         by_shard.setdefault(shard, []).append(name)
     missing = [s for s in by_shard if not (model_dir / s).is_file()]
     if missing:
-        listed = "; ".join(f"'{s}' (listed for {len(by_shard[s])} tensors, e.g. '{by_shard[s][0]}')"
-                           for s in missing[:5]) + (f"; and {len(missing) - 5} more" if len(missing) > 5 else "")
+        listed = "; ".join(
+            f"'{s}' (listed for {len(by_shard[s])} tensors, e.g. '{by_shard[s][0]}')" for s in missing[:5]
+        ) + (f"; and {len(missing) - 5} more" if len(missing) > 5 else "")
         verb = "does" if len(missing) == 1 else "do"
         raise CheckpointError(f"{index}: shard{'s' if len(missing) > 1 else ''} {listed} {verb} not exist")
     return by_shard
@@ -182,9 +214,11 @@ def _read_weight_map(index: Path) -> dict[str, str]:
     if twice:
         name, first, second = twice[0]
         more = f" (and {len(twice) - 1} more tensor(s) listed twice)" if len(twice) > 1 else ""
-        raise CheckpointError(f"{index}: tensor '{name}' is listed twice in weight_map, for '{first}' and for "
-                              f"'{second}'{more}; JSON keeps only the last entry, so the index is ambiguous: "
-                              f"keep one entry per tensor")
+        raise CheckpointError(
+            f"{index}: tensor '{name}' is listed twice in weight_map, for '{first}' and for "
+            f"'{second}'{more}; JSON keeps only the last entry, so the index is ambiguous: "
+            f"keep one entry per tensor"
+        )
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
             raise CheckpointError(f"{index}: weight_map entry for tensor '{name}' is not a file name: {shard!r}")

@@ -36,22 +36,32 @@ class DeepSeekV4MTPModel(DeepSeekV4MTP):
         mc = vllm_config.model_config
         plan = draft_policy.check_draft(mc.hf_config, mc.model, mc.dtype)
         refuse_draft_kernels(vllm_config)
-        changes = draft_view_changes(vllm_config, fse_requested=bool(
-            rocm_aiter_ops.is_fusion_moe_shared_experts_enabled()))
+        changes = draft_view_changes(
+            vllm_config, fse_requested=bool(rocm_aiter_ops.is_fusion_moe_shared_experts_enabled())
+        )
         for change in changes:
             logger.info(change.message())
         super().__init__(vllm_config=bf16_draft_config(vllm_config, changes), prefix=prefix)
         self.plan = plan
         ffn = self.model.layers[str(plan.spec.num_hidden_layers)].mtp_block.ffn
         self.fused_shared_expert = ffn.is_fused_shared_expert_enabled
-        logger.info("vllm-dsv4-mtp: DeepSeek-V4 MTP draft = vLLM's in-tree AMD MTP layers in BF16 (%s, fused "
-                    "shared expert: %s; quantized MTP weights: %s)", plan.dtype, self.fused_shared_expert,
-                    plan.quantized_mtp)
+        logger.info(
+            "vllm-dsv4-mtp: DeepSeek-V4 MTP draft = vLLM's in-tree AMD MTP layers in BF16 (%s, fused "
+            "shared expert: %s; quantized MTP weights: %s)",
+            plan.dtype,
+            self.fused_shared_expert,
+            plan.quantized_mtp,
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         spec = self.plan.spec
         return CheckpointLoader(
-            self, spec, scope=DRAFT, dtype=self.plan.dtype, source=self.plan.source, admit=self.plan.admit,
+            self,
+            spec,
+            scope=DRAFT,
+            dtype=self.plan.dtype,
+            source=self.plan.source,
+            admit=self.plan.admit,
             param_for=in_tree_param_map(spec, fused_shared_expert=self.fused_shared_expert),
             not_from_checkpoint=shared_with_target(spec),
         ).load(weights)

@@ -75,8 +75,10 @@ class DraftViewChange:
     reason: str
 
     def message(self) -> str:
-        return (f"vllm-dsv4-mtp: the BF16 MTP draft runs with {self.setting}={self.draft_value!r} (the target keeps "
-                f"{self.target_value!r}): {self.reason}")
+        return (
+            f"vllm-dsv4-mtp: the BF16 MTP draft runs with {self.setting}={self.draft_value!r} (the target keeps "
+            f"{self.target_value!r}): {self.reason}"
+        )
 
 
 #: target MoE backends the draft's unquantized experts cannot run on (FP4-only kernels)
@@ -92,8 +94,10 @@ def refuse_draft_kernels(vllm_config: Any) -> None:
     """
     backend = getattr(vllm_config.kernel_config, "moe_backend", None)
     if backend in FP4_ONLY_MOE_BACKENDS:
-        raise ValueError(f"the BF16 MTP draft cannot run on --moe-backend {backend} (FP4 experts only); give the "
-                         "draft another backend with speculative_config 'moe_backend'")
+        raise ValueError(
+            f"the BF16 MTP draft cannot run on --moe-backend {backend} (FP4 experts only); give the "
+            "draft another backend with speculative_config 'moe_backend'"
+        )
 
 
 def draft_view_changes(vllm_config: Any, *, fse_requested: bool) -> list[DraftViewChange]:
@@ -108,12 +112,24 @@ def draft_view_changes(vllm_config: Any, *, fse_requested: bool) -> list[DraftVi
     kc = vllm_config.kernel_config
     changes = []
     if getattr(kc, "monokernel", False):
-        changes.append(DraftViewChange("kernel_config.monokernel", True, False,
-                                       "the mono decode kernel takes MXFP4 experts and never runs draft layers"))
+        changes.append(
+            DraftViewChange(
+                "kernel_config.monokernel",
+                True,
+                False,
+                "the mono decode kernel takes MXFP4 experts and never runs draft layers",
+            )
+        )
     if fse_requested:
-        changes.append(DraftViewChange("fused shared expert", True, False,
-                                       "vLLM's MTP draft does not take a fused shared expert (0.34 refuses it); the "
-                                       "draft keeps its shared expert as its own MLP"))
+        changes.append(
+            DraftViewChange(
+                "fused shared expert",
+                True,
+                False,
+                "vLLM's MTP draft does not take a fused shared expert (0.34 refuses it); the "
+                "draft keeps its shared expert as its own MLP",
+            )
+        )
     return changes
 
 
@@ -138,9 +154,13 @@ def in_tree_param_map(spec: DeepseekV4Spec, *, fused_shared_expert: bool):
     (``VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1``; always allowed for an unquantized MoE), as expert
     ``n_routed_experts``.
     """
-    return partial(draft_param, num_hidden_layers=spec.num_hidden_layers,
-                   num_mtp_layers=spec.num_nextn_predict_layers, layout=IN_TREE,
-                   fused_shared_expert_id=spec.n_routed_experts if fused_shared_expert else None)
+    return partial(
+        draft_param,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_mtp_layers=spec.num_nextn_predict_layers,
+        layout=IN_TREE,
+        fused_shared_expert_id=spec.n_routed_experts if fused_shared_expert else None,
+    )
 
 
 def shared_with_target(spec: DeepseekV4Spec) -> list[str]:
@@ -148,8 +168,17 @@ def shared_with_target(spec: DeepseekV4Spec) -> list[str]:
     embedding, and each MTP layer's LM head): no ``mtp.*`` tensor fills them."""
     return ["model.embed_tokens.weight"] + [
         f"model.layers.{spec.num_hidden_layers + i}.shared_head.head.weight"
-        for i in range(spec.num_nextn_predict_layers)]
+        for i in range(spec.num_nextn_predict_layers)
+    ]
 
 
-__all__ = ["Bf16DraftQuantConfig", "DraftViewChange", "ParamRef", "bf16_draft_config", "draft_view_changes",
-           "in_tree_param_map", "refuse_draft_kernels", "shared_with_target"]
+__all__ = [
+    "Bf16DraftQuantConfig",
+    "DraftViewChange",
+    "ParamRef",
+    "bf16_draft_config",
+    "draft_view_changes",
+    "in_tree_param_map",
+    "refuse_draft_kernels",
+    "shared_with_target",
+]

@@ -41,6 +41,7 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
+from vllm_dsv4_mtp.model import sink_kernel
 from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata, SharedKeys
 from vllm_dsv4_mtp.model.compressor import Compressor
 from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, dispatched_linear, plain_linears, slice_linears
@@ -48,7 +49,6 @@ from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
 from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
 from vllm_dsv4_mtp.model.paged_rows import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.rope import layer_rope
-from vllm_dsv4_mtp.model import sink_kernel
 from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
 from vllm_dsv4_mtp.model.split_sums import all_reduce, split_sum_linear, wide_layer
 from vllm_dsv4_mtp.model.window_kernel import WindowKernel, usable
@@ -166,23 +166,38 @@ class DeepseekV4Attention(nn.Module):
     def _build_projections(self, spec: DeepseekV4Spec, prefix: str) -> None:
         """Query/KV projections (``wq_a`` and ``wkv`` fused: one GEMM of the same input), grouped output, sink."""
         self.fused_wqa_wkv = MergedColumnParallelLinear(
-            self.hidden_size, [spec.q_lora_rank, self.head_dim], bias=False, quant_config=LINEARS,
-            prefix=f"{prefix}.fused_wqa_wkv", disable_tp=True, return_bias=False,
+            self.hidden_size,
+            [spec.q_lora_rank, self.head_dim],
+            bias=False,
+            quant_config=LINEARS,
+            prefix=f"{prefix}.fused_wqa_wkv",
+            disable_tp=True,
+            return_bias=False,
         )
         self.q_norm = RMSNorm(spec.q_lora_rank, eps=self.eps)
         self.kv_norm = RMSNorm(self.head_dim, eps=self.eps)
         self.wq_b = ColumnParallelLinear(
-            spec.q_lora_rank, self.n_heads * self.head_dim, bias=False, quant_config=LINEARS,
-            prefix=f"{prefix}.wq_b", return_bias=False,
+            spec.q_lora_rank,
+            self.n_heads * self.head_dim,
+            bias=False,
+            quant_config=LINEARS,
+            prefix=f"{prefix}.wq_b",
+            return_bias=False,
         )
         # grouped low-rank output: wo_a is block-diagonal over groups, applied as a batched matmul
         self.wo_a = GroupedLinear(
             self.n_heads * self.head_dim // self.n_groups, self.o_lora_rank, self.n_groups, self.n_local_groups
         )
-        self.wo_b = split_sum_linear(RowParallelLinear(
-            self.n_groups * self.o_lora_rank, self.hidden_size, bias=False, quant_config=LINEARS,
-            prefix=f"{prefix}.wo_b", return_bias=False,
-        ))
+        self.wo_b = split_sum_linear(
+            RowParallelLinear(
+                self.n_groups * self.o_lora_rank,
+                self.hidden_size,
+                bias=False,
+                quant_config=LINEARS,
+                prefix=f"{prefix}.wo_b",
+                return_bias=False,
+            )
+        )
         self.attn_sink = nn.Parameter(torch.empty(self.n_local_heads, dtype=torch.float32), requires_grad=False)
         self.attn_sink.weight_loader = self._load_sink  # type: ignore[attr-defined]
         self._wo_b_wide: Linear | None = None  # float32 models: wo_b in float64, set by pack()
@@ -192,8 +207,11 @@ class DeepseekV4Attention(nn.Module):
     def _build_compression(self, spec: DeepseekV4Spec, prefix: str) -> None:
         """The layer's rope (YaRN on compressed layers), its compressor (C4 / C128) and, on C4, the indexer."""
         self.rope = layer_rope(
-            compress_ratio=self.compress_ratio, rope_dim=self.rope_dim, rope_theta=spec.rope_theta,
-            compress_rope_theta=spec.compress_rope_theta, rope_scaling=spec.rope_scaling,
+            compress_ratio=self.compress_ratio,
+            rope_dim=self.rope_dim,
+            rope_theta=spec.rope_theta,
+            compress_rope_theta=spec.compress_rope_theta,
+            rope_scaling=spec.rope_scaling,
         )
         self.compressor = (
             Compressor(self.hidden_size, self.head_dim, self.compress_ratio, self.eps, prefix=f"{prefix}.compressor")
@@ -202,8 +220,13 @@ class DeepseekV4Attention(nn.Module):
         )
         self.indexer = (
             Indexer(
-                self.hidden_size, spec.q_lora_rank, spec.index_n_heads, spec.index_head_dim,
-                spec.index_topk, self.eps, prefix=f"{prefix}.indexer",
+                self.hidden_size,
+                spec.q_lora_rank,
+                spec.index_n_heads,
+                spec.index_head_dim,
+                spec.index_topk,
+                self.eps,
+                prefix=f"{prefix}.indexer",
             )
             if self.compress_ratio == OVERLAP_RATIO
             else None
@@ -265,8 +288,11 @@ class DeepseekV4Attention(nn.Module):
         ``model/window_kernel.py``), else None; decided once per bound cache."""
         cache = self.cache.kv_cache
         if self._window_kernel is None or self._window_kernel[0] is not cache:
-            kernel = (WindowKernel(cache, self.head_dim, self.window, self.scale)
-                      if self.compress_ratio == 0 and usable(cache, self.head_dim) else None)
+            kernel = (
+                WindowKernel(cache, self.head_dim, self.window, self.scale)
+                if self.compress_ratio == 0 and usable(cache, self.head_dim)
+                else None
+            )
             self._window_kernel = (cache, kernel)
         return self._window_kernel[1]
 
@@ -296,11 +322,13 @@ class DeepseekV4Attention(nn.Module):
             ch = self.channels
             index_q = index_w = None
             if self.compressor is not None:
-                self.compressor.complete(md, self.cache, self.rope, kv_gate_channel=ch["kv_gate"],
-                                         entry_channel=ch["entry"])
+                self.compressor.complete(
+                    md, self.cache, self.rope, kv_gate_channel=ch["kv_gate"], entry_channel=ch["entry"]
+                )
             if self.indexer is not None:
-                self.indexer.compressor.complete(md, self.cache, self.rope, kv_gate_channel=ch["index_kv_gate"],
-                                                 entry_channel=ch["ikey"])
+                self.indexer.compressor.complete(
+                    md, self.cache, self.rope, kv_gate_channel=ch["index_kv_gate"], entry_channel=ch["ikey"]
+                )
                 index_q, index_w = self.indexer.queries(qr, x_real, rot, self.rope)
             o = self.attend(md, q, index_q, index_w)
         o = self.rope.apply_(o, self.rope.step_rotation(md.derived.rotations, "tokens", md.positions, inverse=True))
@@ -309,8 +337,9 @@ class DeepseekV4Attention(nn.Module):
         return self.output(o)
 
     # ----------------------------------------------------------------------------------------------
-    def attend(self, md: PortableAttentionMetadata, q: torch.Tensor, index_q: torch.Tensor | None,
-               index_w: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self, md: PortableAttentionMetadata, q: torch.Tensor, index_q: torch.Tensor | None, index_w: torch.Tensor | None
+    ) -> torch.Tensor:
         """Attention of the step's queries ``q: [n, H_local, d]`` over the paged rows -> ``[n, H_local, d]``
         (rope still applied at the query positions). ``index_q, index_w``: the indexer's (C4 only)."""
         b, s = md.num_segments, md.seg_len
@@ -332,8 +361,12 @@ class DeepseekV4Attention(nn.Module):
         if self.indexer is not None:
             per_seg = max(per_seg, s * self.indexer.n_heads * n_ent, s * k * self.head_dim)
         groups = md.segment_groups(per_seg, GROUP_BUDGET)
-        outs = [self._attend_group(md, slice(lo, hi), qs[lo:hi], None if iq is None else iq[lo:hi],
-                                   None if iw is None else iw[lo:hi]) for lo, hi in groups]
+        outs = [
+            self._attend_group(
+                md, slice(lo, hi), qs[lo:hi], None if iq is None else iq[lo:hi], None if iw is None else iw[lo:hi]
+            )
+            for lo, hi in groups
+        ]
         o = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(b * s, *q.shape[1:])
         return o if md.output_index is None else o.index_select(0, md.output_index)
 
@@ -360,8 +393,14 @@ class DeepseekV4Attention(nn.Module):
             keys.additive = additive_mask(keys.masked, self.cache.dtype)
         return keys.index, keys.additive
 
-    def _attend_group(self, md: PortableAttentionMetadata, seg: slice, q: torch.Tensor, iq: torch.Tensor | None,
-                      iw: torch.Tensor | None) -> torch.Tensor:
+    def _attend_group(
+        self,
+        md: PortableAttentionMetadata,
+        seg: slice,
+        q: torch.Tensor,
+        iq: torch.Tensor | None,
+        iw: torch.Tensor | None,
+    ) -> torch.Tensor:
         """One group of segments: ``q: [B, S, H_local, d]`` -> ``[B, S, H_local, d]``."""
         ch = self.channels
         kernel = self.uses_sink_kernel()
@@ -372,8 +411,7 @@ class DeepseekV4Attention(nn.Module):
         if ent is not None and ent.count:  # C4: each query's indexer picks among the complete entries
             slots = ent.slots[seg]
             index_keys = self.cache.gather(slots, ch["ikey"], self.indexer.head_dim)
-            picks, unseen = indexer_topk(iq, iw, index_keys, ent.masked[seg], ent.limit[seg],
-                                         topk=self.indexer.topk)
+            picks, unseen = indexer_topk(iq, iw, index_keys, ent.masked[seg], ent.limit[seg], topk=self.indexer.topk)
             bsz, s, k = picks.shape
             picked = self.cache.piece_index(torch.gather(slots, 1, picks.reshape(bsz, s * k)), ch["entry"])
             if kernel:  # each query reads its own picks by index
@@ -388,7 +426,8 @@ class DeepseekV4Attention(nn.Module):
             else:
                 per_query = (self.cache.gather_pieces(picked.view(bsz, s, k)), unseen)
         if kernel:  # keys read from the cache by index, masks as they are
-            return sink_kernel.attend_rows(q, self.cache.piece_table(), index, mask, picked, unseen,
-                                           self.attn_sink, self.scale)
+            return sink_kernel.attend_rows(
+                q, self.cache.piece_table(), index, mask, picked, unseen, self.attn_sink, self.scale
+            )
         keys = self.cache.gather_pieces(index)
         return sink_attention(q, (keys, mask), per_query, self.attn_sink, self.scale)

@@ -31,7 +31,8 @@ UNPADDED_DRAFTS_ON_CPU = (
     "speculative_config.disable_padded_drafter_batch=True with num_speculative_tokens > 1 is not supported on CPU: "
     "vLLM's unpadded draft path makes the draft's seq_lens on CPU the same tensor as its seq_lens_cpu_upper_bound "
     "and increments both at every draft step, so the k-th draft token would see a sequence k - 1 positions too "
-    "long; leave disable_padded_drafter_batch unset (the default padded path)")
+    "long; leave disable_padded_drafter_batch unset (the default padded path)"
+)
 
 
 class PortableAttentionMetadataBuilder(AttentionMetadataBuilder[PortableAttentionMetadata]):
@@ -45,8 +46,13 @@ class PortableAttentionMetadataBuilder(AttentionMetadataBuilder[PortableAttentio
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
         spec = vllm_config.speculative_config
-        if (spec is not None and spec.disable_padded_drafter_batch and spec.num_speculative_tokens > 1
-                and (spec.use_eagle() or spec.uses_draft_model()) and torch.device(device).type == "cpu"):
+        if (
+            spec is not None
+            and spec.disable_padded_drafter_batch
+            and spec.num_speculative_tokens > 1
+            and (spec.use_eagle() or spec.uses_draft_model())
+            and torch.device(device).type == "cpu"
+        ):
             raise ValueError(UNPADDED_DRAFTS_ON_CPU)
 
     def build(
@@ -56,10 +62,13 @@ class PortableAttentionMetadataBuilder(AttentionMetadataBuilder[PortableAttentio
         n = cm.num_reqs
         # host copies: the drafter updates seq_lens (and its slot buffer) in place after building
         return PortableAttentionMetadata.create(
-            query_start_loc=_host(cm.query_start_loc_cpu[: n + 1]), seq_lens=_host(cm.seq_lens[:n]),
+            query_start_loc=_host(cm.query_start_loc_cpu[: n + 1]),
+            seq_lens=_host(cm.seq_lens[:n]),
             block_table=_host(cm.block_table_tensor[:n]),
-            slot_mapping=cm.slot_mapping, num_actual_tokens=cm.num_actual_tokens,
-            block_size=self.block_size, device=cm.block_table_tensor.device,
+            slot_mapping=cm.slot_mapping,
+            num_actual_tokens=cm.num_actual_tokens,
+            block_size=self.block_size,
+            device=cm.block_table_tensor.device,
         )
 
 

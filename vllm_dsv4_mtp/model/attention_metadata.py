@@ -145,9 +145,17 @@ class PortableAttentionMetadata:
 
     # ------------------------------------------------------------------------------------------ build
     @classmethod
-    def create(cls, *, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
-               slot_mapping: torch.Tensor, num_actual_tokens: int, block_size: int,
-               device: torch.device) -> PortableAttentionMetadata:
+    def create(
+        cls,
+        *,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        block_table: np.ndarray,
+        slot_mapping: torch.Tensor,
+        num_actual_tokens: int,
+        block_size: int,
+        device: torch.device,
+    ) -> PortableAttentionMetadata:
         """``query_start_loc [R + 1]``, ``seq_lens [R]``, ``block_table [R, max_blocks]``: host copies."""
         qsl = query_start_loc.astype(np.int64)
         q_lens = np.diff(qsl)
@@ -181,15 +189,27 @@ class PortableAttentionMetadata:
             output_index = _dev(tok_seg * s + (np.arange(n_tok) - seg_tok[tok_seg]), device)
         sm = slot_mapping[:num_actual_tokens].long()
         return cls(
-            num_actual_tokens=num_actual_tokens, num_tokens=n_tok, block_size=block_size, device=device,
+            num_actual_tokens=num_actual_tokens,
+            num_tokens=n_tok,
+            block_size=block_size,
+            device=device,
             slot_mapping=sm,
             write_index=None if all_kept else _dev(np.nonzero(keep)[0], device),
             write_slots=sm if all_kept else _dev(sm_np[keep], device),
-            positions=_dev(pos, device), seg_len=s, num_segments=int(seg_req.shape[0]),
-            query_index=query_index, output_index=output_index,
-            _bt=block_table, _pos=pos, _tok_req=tok_req, _tok_slot=tok_slot, _seg_req=seg_req,
-            _seg_last=qpos.max(axis=1) if qpos.size else np.zeros(0, np.int64), _qpos=qpos,
-            _qsl=qsl, _seq_lens=seq_lens.astype(np.int64),
+            positions=_dev(pos, device),
+            seg_len=s,
+            num_segments=int(seg_req.shape[0]),
+            query_index=query_index,
+            output_index=output_index,
+            _bt=block_table,
+            _pos=pos,
+            _tok_req=tok_req,
+            _tok_slot=tok_slot,
+            _seg_req=seg_req,
+            _seg_last=qpos.max(axis=1) if qpos.size else np.zeros(0, np.int64),
+            _qpos=qpos,
+            _qsl=qsl,
+            _seq_lens=seq_lens.astype(np.int64),
         )
 
     def slot(self, req: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -222,8 +242,9 @@ class PortableAttentionMetadata:
             slots = self.slot(self._seg_req[:, None], jpos)
             limit = (self._qpos + 1) // ratio  # [n_seg, S]; padding queries (-1) see none
             masked = j[None] >= limit[:, :, None]
-            self.derived.entries[ratio] = Entries(_dev(slots, self.device), _dev(masked, self.device),
-                                                  _dev(limit[:, :, None], self.device), n)
+            self.derived.entries[ratio] = Entries(
+                _dev(slots, self.device), _dev(masked, self.device), _dev(limit[:, :, None], self.device), n
+            )
         return self.derived.entries[ratio]
 
     def completions(self, ratio: int, span: int) -> Completions | None:
@@ -239,8 +260,11 @@ class PortableAttentionMetadata:
                 rows = p[:, None] - span + 1 + np.arange(span)[None, :]
                 slots = self.slot(self._tok_req[done][:, None], np.maximum(rows, 0))
                 done_blocks[key] = Completions(
-                    _dev(slots, self.device), _dev((rows >= 0)[:, :, None], self.device),
-                    _dev(self._tok_slot[done], self.device), _dev(p - ratio + 1, self.device))
+                    _dev(slots, self.device),
+                    _dev((rows >= 0)[:, :, None], self.device),
+                    _dev(self._tok_slot[done], self.device),
+                    _dev(p - ratio + 1, self.device),
+                )
         return done_blocks[key]
 
     def segment_groups(self, elems_per_segment: int, budget: int) -> list[tuple[int, int]]:
@@ -256,10 +280,12 @@ class PortableAttentionMetadata:
         if not torch.equal(given, self.positions):
             t = int((given != self.positions).nonzero()[0, 0])
             r = int(self._tok_req[t])
-            raise ValueError("portable attention: the step's positions differ from seq_lens - query_lens + i "
-                             "(the addressing of the paged rows assumes each request's tokens are its last "
-                             f"query_len positions): token {t} (request {r}) is at position {int(given[t])}, "
-                             f"its seq_len and query_len put it at {int(self.positions[t])}")
+            raise ValueError(
+                "portable attention: the step's positions differ from seq_lens - query_lens + i "
+                "(the addressing of the paged rows assumes each request's tokens are its last "
+                f"query_len positions): token {t} (request {r}) is at position {int(given[t])}, "
+                f"its seq_len and query_len put it at {int(self.positions[t])}"
+            )
         self.positions_checked = True
 
 

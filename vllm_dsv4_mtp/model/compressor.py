@@ -2,7 +2,8 @@
 
 Per token the compressor projects ``c = wkv(x)`` and ``z = wgate(x)`` (``blocks_per_entry * hd`` channels
 each: an overlapping C4 entry reads 2 blocks, so ``blocks_per_entry = 2``; 1 otherwise). A complete block
-``j`` of ``ratio`` tokens becomes one entry, the softmax-gated (over tokens, per channel; ``z + ape`` as logits) sum of the ``c`` rows:
+``j`` of ``ratio`` tokens becomes one entry, the softmax-gated (over tokens, per channel; ``z + ape`` as logits) sum
+of the ``c`` rows:
 
 * ratio 128 (disjoint): block ``j`` = tokens ``[128 j, 128 j + 128)``;
 * ratio 4 (overlapping): block ``j`` mixes ``2 * ratio`` rows, the previous block's tokens through the first
@@ -76,8 +77,13 @@ class Compressor(nn.Module):
         width = self.blocks_per_entry * head_dim
         self.row_width = 2 * width  # [c | z] per token
         self.fused_wkv_wgate = MergedColumnParallelLinear(
-            hidden_size, [width, width], bias=False, quant_config=LINEARS,
-            prefix=f"{prefix}.fused_wkv_wgate", disable_tp=True, return_bias=False,
+            hidden_size,
+            [width, width],
+            bias=False,
+            quant_config=LINEARS,
+            prefix=f"{prefix}.fused_wkv_wgate",
+            disable_tp=True,
+            return_bias=False,
         )
         self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32), requires_grad=False)
         self.norm = RMSNorm(head_dim, eps=norm_eps)
@@ -86,8 +92,15 @@ class Compressor(nn.Module):
         """``x: [T, D]`` -> ``[T, row_width]`` rows ``[c | z]`` to store per token."""
         return self.fused_wkv_wgate(x)
 
-    def complete(self, md: PortableAttentionMetadata, cache: PagedRowCache, rope: DeepseekV4Rope, *,
-                 kv_gate_channel: int, entry_channel: int) -> None:
+    def complete(
+        self,
+        md: PortableAttentionMetadata,
+        cache: PagedRowCache,
+        rope: DeepseekV4Rope,
+        *,
+        kv_gate_channel: int,
+        entry_channel: int,
+    ) -> None:
         """Make the entries of the blocks this step completes and store them in their completing rows.
 
         ``cache``: the layer's rows (this step's already written); the rows' ``[c | z]`` start at

@@ -64,8 +64,9 @@ def _compile(compiler: list[str], source: Path, flags: list[str], libs: list[str
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=dest.parent)
     os.close(fd)
     try:
-        subprocess.run([*compiler, *flags, str(source), "-o", tmp, *libs], check=True, capture_output=True,
-                       text=True, timeout=120)
+        subprocess.run(
+            [*compiler, *flags, str(source), "-o", tmp, *libs], check=True, capture_output=True, text=True, timeout=120
+        )
         os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache from loading it
         os.replace(tmp, dest)
     finally:
@@ -86,8 +87,12 @@ def build(name: str) -> Path:
     text = source.read_bytes()
     last: subprocess.CalledProcessError | None = None
     for flags, libs in VARIANTS:
-        digest = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in (
-            text, version, " ".join(flags + libs), platform.machine(), _cpu_flags()))).hexdigest()[:16]
+        digest = hashlib.sha256(
+            b"\0".join(
+                x.encode() if isinstance(x, str) else x
+                for x in (text, version, " ".join(flags + libs), platform.machine(), _cpu_flags())
+            )
+        ).hexdigest()[:16]
         dest = _cache_dir() / f"{name}-{digest}.so"
         if dest.exists():
             return dest
@@ -100,7 +105,7 @@ def build(name: str) -> Path:
     raise last
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def library(name: str) -> ctypes.CDLL | None:
     """``csrc/<name>.c`` loaded, or None (logged once) where it cannot be built or loaded."""
     try:
@@ -109,12 +114,13 @@ def library(name: str) -> ctypes.CDLL | None:
         why = (e.stderr or str(e)).strip().splitlines()[-1:]
     except (OSError, subprocess.SubprocessError) as e:
         why = str(e)
-    logger.warning("vllm-dsv4-mtp: the compiled loop %s is not available (%s); its callers keep their slower "
-                   "torch path", name, why)
+    logger.warning(
+        "vllm-dsv4-mtp: the compiled loop %s is not available (%s); its callers keep their slower torch path", name, why
+    )
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def function(name: str, symbol: str, argtypes: tuple, restype=ctypes.c_int):
     """The C function ``symbol`` of ``csrc/<name>.c`` with its ctypes signature, or None where :func:`library`
     is not available."""

@@ -57,8 +57,11 @@ def native_16bit_gemm(dtype: torch.dtype) -> bool:
 def float32_route(weight: torch.Tensor) -> bool:
     """Whether ``weight`` is multiplied through a float32 copy: a 16-bit CPU tensor on a CPU without
     :func:`native_16bit_gemm` for its dtype."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
-            and not native_16bit_gemm(weight.dtype))
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and not native_16bit_gemm(weight.dtype)
+    )
 
 
 def cpu_linear(weight: torch.Tensor) -> Linear:
@@ -156,11 +159,15 @@ def loaded_weight(layer: LinearBase) -> torch.Tensor:
     must be marked by :func:`keep_loaded_weight`, and an unmarked one is an error naming it by its ``prefix``
     (its weight may be packed away once vLLM has processed it)."""
     if not getattr(layer, "keeps_loaded_weight", False):
-        raise RuntimeError(f"{layer.prefix}: a pack reads this layer's loaded weight, which vLLM's CPU dispatch "
-                           "may pack away after loading: build the layer with keep_loaded_weight")
+        raise RuntimeError(
+            f"{layer.prefix}: a pack reads this layer's loaded weight, which vLLM's CPU dispatch "
+            "may pack away after loading: build the layer with keep_loaded_weight"
+        )
     if layer.weight.numel() == 0:
-        raise RuntimeError(f"{layer.prefix}: marked to keep its loaded weight, but the weight is empty (something "
-                           "other than this layer's method processed it)")
+        raise RuntimeError(
+            f"{layer.prefix}: marked to keep its loaded weight, but the weight is empty (something "
+            "other than this layer's method processed it)"
+        )
     return layer.weight.data
 
 
@@ -173,7 +180,7 @@ class PortableLinearConfig(PortableConfigBase):
         return "dsv4_mtp_linears"
 
     @classmethod
-    def from_config(cls, config: dict) -> "PortableLinearConfig":
+    def from_config(cls, config: dict) -> PortableLinearConfig:
         return cls()
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Float32RouteLinearMethod | None:

@@ -32,15 +32,29 @@ class DeepseekV4DecoderLayer(nn.Module):
         rounding: the activation rounding of this layer's experts (none for BF16 checkpoints and the bf16 draft).
     """
 
-    def __init__(self, vllm_config: VllmConfig, spec: DeepseekV4Spec, layer_id: int, *, prefix: str,
-                 rounding: LayerRounding = LayerRounding()):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        spec: DeepseekV4Spec,
+        layer_id: int,
+        *,
+        prefix: str,
+        rounding: LayerRounding = LayerRounding(),
+    ):
         super().__init__()
         d, hc, eps = spec.hidden_size, spec.hc_mult, spec.rms_norm_eps
-        self.attn = DeepseekV4Attention(vllm_config, spec, compress_ratio=spec.compress_ratio(layer_id),
-                                        prefix=f"{prefix}.attn")
-        self.ffn = DeepseekV4MoE(spec, layer_id, prefix=f"{prefix}.ffn", routed_w4a4=rounding.routed,
-                                 shared_w4a4=rounding.shared, shared_fp8=rounding.shared_fp8,
-                                 expert_parallel=vllm_config.parallel_config.enable_expert_parallel)
+        self.attn = DeepseekV4Attention(
+            vllm_config, spec, compress_ratio=spec.compress_ratio(layer_id), prefix=f"{prefix}.attn"
+        )
+        self.ffn = DeepseekV4MoE(
+            spec,
+            layer_id,
+            prefix=f"{prefix}.ffn",
+            routed_w4a4=rounding.routed,
+            shared_w4a4=rounding.shared,
+            shared_fp8=rounding.shared_fp8,
+            expert_parallel=vllm_config.parallel_config.enable_expert_parallel,
+        )
         self.attn_norm = RMSNorm(d, eps=eps)
         self.ffn_norm = RMSNorm(d, eps=eps)
         self.hc_attn = HyperConnection(d, hc, spec.hc_sinkhorn_iters, spec.hc_eps, eps)

@@ -51,8 +51,10 @@ class DeepseekV4Model(nn.Module):
         self.hidden_size = spec.hidden_size
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, prefix=f"{prefix}.embed_tokens")
         rounding = layer_rounding(spec)
-        layers = [DeepseekV4DecoderLayer(vllm_config, spec, i, prefix=f"{prefix}.layers.{i}", rounding=rounding[i])
-                  for i in range(spec.num_hidden_layers)]
+        layers = [
+            DeepseekV4DecoderLayer(vllm_config, spec, i, prefix=f"{prefix}.layers.{i}", rounding=rounding[i])
+            for i in range(spec.num_hidden_layers)
+        ]
         self.layers = nn.ModuleList(layers)
         self.hc_head = HyperHead(spec.hidden_size, spec.hc_mult, spec.hc_eps, spec.rms_norm_eps)
         self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
@@ -61,15 +63,17 @@ class DeepseekV4Model(nn.Module):
         sc = vllm_config.speculative_config
         if sc is not None and (sc.use_eagle() or sc.uses_draft_model()):
             self._mtp_hidden_buffer = torch.zeros(
-                vllm_config.scheduler_config.max_num_batched_tokens, spec.hc_mult * spec.hidden_size,
+                vllm_config.scheduler_config.max_num_batched_tokens,
+                spec.hc_mult * spec.hidden_size,
                 dtype=vllm_config.model_config.dtype,
             )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``input_ids, positions: [T]`` -> final hidden ``[T, D]`` (after ``hc_head`` and ``norm``)."""
         if input_ids is None:
             raise ValueError("DeepSeek-V4 needs input_ids (hash-routed MoE layers); inputs_embeds alone is not enough")
@@ -100,8 +104,14 @@ class DeepseekV4ForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -124,7 +134,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             "shared_activation_quant": [layer.ffn.shared_experts.activation_quant for layer in layers],
             "row_widths": [layer.attn.row_width for layer in layers],
             "cache_row_width": layers[0].attn.cache.cache_width,
-            "mtp_hidden_buffer": None if self.model._mtp_hidden_buffer is None
+            "mtp_hidden_buffer": None
+            if self.model._mtp_hidden_buffer is None
             else list(self.model._mtp_hidden_buffer.shape),
         }
 
@@ -143,13 +154,19 @@ class DeepseekV4ForCausalLM(nn.Module):
         # vLLM's in-place reload puts every layer on the meta device first (a dummy-loaded model's first load too)
         reload = any(p.is_meta for p in self.parameters())
         loaded = CheckpointLoader(
-            self, spec, scope=TARGET, dtype=self.vllm_config.model_config.dtype, source=self.source,
+            self,
+            spec,
+            scope=TARGET,
+            dtype=self.vllm_config.model_config.dtype,
+            source=self.source,
             param_for=lambda name: target_param(name, num_hidden_layers=spec.num_hidden_layers),
         ).load(weights)
         pack_weights(self)
         if reload and self.model._mtp_hidden_buffer is not None:
             # vLLM's reload_weights reaches get_model() only (0.32, 0.33): the draft is a model of its own
-            logger.warning("vllm-dsv4-mtp: weights reloaded in place into the target only; the MTP draft keeps "
-                           "the MTP layer it started with (outputs are the new target's, verified; acceptance may "
-                           "fall): start a new engine to update the draft")
+            logger.warning(
+                "vllm-dsv4-mtp: weights reloaded in place into the target only; the MTP draft keeps "
+                "the MTP layer it started with (outputs are the new target's, verified; acceptance may "
+                "fall): start a new engine to update the draft"
+            )
         return loaded

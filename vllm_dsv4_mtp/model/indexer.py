@@ -25,7 +25,12 @@ from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
 
 def indexer_topk(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, masked: torch.Tensor, limit: torch.Tensor, *,
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    masked: torch.Tensor,
+    limit: torch.Tensor,
+    *,
     topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k entry indices per query, for ``B`` segments of ``S`` queries over ``n`` candidate entries each.
@@ -87,7 +92,11 @@ class Indexer(nn.Module):
         self.topk = topk
         self.ratio = OVERLAP_RATIO
         self.wq_b = ReplicatedLinear(
-            q_lora_rank, n_heads * head_dim, bias=False, quant_config=LINEARS, prefix=f"{prefix}.wq_b",
+            q_lora_rank,
+            n_heads * head_dim,
+            bias=False,
+            quant_config=LINEARS,
+            prefix=f"{prefix}.wq_b",
             return_bias=False,
         )
         self.weights_proj = ReplicatedLinear(

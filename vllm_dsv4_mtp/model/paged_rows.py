@@ -98,14 +98,14 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
     ``s // block_size``, stored as ``cache_width / piece_width`` pieces (see "Layout" below).
     """
 
-    def __init__(self, *, row_width: int, cache_width: int, piece_width: int, prefix: str,
-                 vllm_config: VllmConfig):
+    def __init__(self, *, row_width: int, cache_width: int, piece_width: int, prefix: str, vllm_config: VllmConfig):
         super().__init__()
         if row_width > cache_width:
             raise ValueError(f"{prefix}: row width {row_width} exceeds the cache row width {cache_width}")
         if cache_width % piece_width:
-            raise ValueError(f"{prefix}: cache row width {cache_width} is not a multiple of the piece width "
-                             f"{piece_width}")
+            raise ValueError(
+                f"{prefix}: cache row width {cache_width} is not a multiple of the piece width {piece_width}"
+            )
         cache_dtype = vllm_config.cache_config.cache_dtype
         if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(
@@ -147,8 +147,9 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
             raise NotImplementedError("micro-batching (ubatch) is not supported by the portable attention")
         md = md.get(self.layer_name) if isinstance(md, dict) else md
         if md is not None and md.block_size != self.kv_cache.shape[2]:
-            raise ValueError(f"{self.layer_name}: metadata block size {md.block_size} != the bound cache's "
-                             f"{self.kv_cache.shape[2]}")
+            raise ValueError(
+                f"{self.layer_name}: metadata block size {md.block_size} != the bound cache's {self.kv_cache.shape[2]}"
+            )
         return md
 
     # ----------------------------------------------------------------------------------------------
@@ -184,8 +185,10 @@ class PagedRowCache(nn.Module, AttentionLayerBase):
     def _spanned(self, start: int, width: int) -> range:
         """The pieces holding channels ``[start, start + width)``."""
         if start < 0 or width <= 0 or start + width > self.cache_width:
-            raise ValueError(f"{self.layer_name}: channels {start}..{start + width} are outside the "
-                             f"{self.cache_width}-wide cache rows")
+            raise ValueError(
+                f"{self.layer_name}: channels {start}..{start + width} are outside the "
+                f"{self.cache_width}-wide cache rows"
+            )
         return range(start // self.piece_width, (start + width - 1) // self.piece_width + 1)
 
     def write(self, md: PortableAttentionMetadata, rows: torch.Tensor) -> None:

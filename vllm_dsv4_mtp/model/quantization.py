@@ -42,13 +42,16 @@ def layer_rounding(spec: DeepseekV4Spec) -> list[LayerRounding]:
     if method in FP8_METHODS:
         return [LayerRounding()] * n
     if method != "quark":
-        raise ValueError(f"{spec.source}: quantization_config.quant_method={method!r} is not supported "
-                         "(expected 'quark' or 'fp8')")
+        raise ValueError(
+            f"{spec.source}: quantization_config.quant_method={method!r} is not supported (expected 'quark' or 'fp8')"
+        )
     from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig
 
     quark = QuarkQuantConfig.from_dict(dict(qc), source=f"{spec.source}:quantization_config")
-    return [LayerRounding(_w4a4(quark, f"layers.{i}.ffn.experts.0.w1"),
-                          _w4a4(quark, f"layers.{i}.ffn.shared_experts.w1")) for i in range(n)]
+    return [
+        LayerRounding(_w4a4(quark, f"layers.{i}.ffn.experts.0.w1"), _w4a4(quark, f"layers.{i}.ffn.shared_experts.w1"))
+        for i in range(n)
+    ]
 
 
 def _w4a4(quark, module: str) -> bool:
@@ -60,8 +63,10 @@ def _w4a4(quark, module: str) -> bool:
         return False
     if kind == "mxfp4" and inputs.get("dtype") == "fp4":
         return True
-    raise ValueError(f"{quark.source}: {module} is declared {kind} with {inputs.get('dtype')} input activations; "
-                     "the portable path reproduces MXFP4 activation rounding only (W4A4) or none")
+    raise ValueError(
+        f"{quark.source}: {module} is declared {kind} with {inputs.get('dtype')} input activations; "
+        "the portable path reproduces MXFP4 activation rounding only (W4A4) or none"
+    )
 
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]
@@ -80,8 +85,9 @@ class DraftRounding:
 
     def describe(self) -> str:
         parts = [f"routed experts {'MXFP4 W4A4' if self.routed else 'no activation rounding'}"]
-        parts += [f"{n} {'FP8 1x128 inputs' if getattr(self, n) else 'unrounded'}" for n in ("shared", "e_proj",
-                                                                                          "h_proj")]
+        parts += [
+            f"{n} {'FP8 1x128 inputs' if getattr(self, n) else 'unrounded'}" for n in ("shared", "e_proj", "h_proj")
+        ]
         return ", ".join(parts)
 
 
@@ -120,12 +126,19 @@ def _input_scheme(source: str, module: str, kind: str, inputs: dict | None) -> s
         return None
     if kind == "mxfp4" and inputs.get("dtype") == "fp4":
         return "w4a4"
-    if kind == "fp8-block" and inputs.get("dtype") == "fp8_e4m3" and inputs.get("is_dynamic") \
-            and inputs.get("qscheme") == "per_group" and inputs.get("group_size") == 128:
+    if (
+        kind == "fp8-block"
+        and inputs.get("dtype") == "fp8_e4m3"
+        and inputs.get("is_dynamic")
+        and inputs.get("qscheme") == "per_group"
+        and inputs.get("group_size") == 128
+    ):
         return "fp8:" + ("e8m0" if inputs.get("scale_format") == "e8m0" else "float32")
-    raise ValueError(f"{source}: {module} is declared {kind} with input activations {inputs.get('dtype')} "
-                     f"{inputs.get('qscheme')}; the portable draft computes MXFP4 W4A4 and FP8 block linears with "
-                     "dynamic 1x128 FP8 inputs only")
+    raise ValueError(
+        f"{source}: {module} is declared {kind} with input activations {inputs.get('dtype')} "
+        f"{inputs.get('qscheme')}; the portable draft computes MXFP4 W4A4 and FP8 block linears with "
+        "dynamic 1x128 FP8 inputs only"
+    )
 
 
 def _rounding_of(spec: DeepseekV4Spec, schemes: dict[str, str | None]) -> DraftRounding:
@@ -143,15 +156,19 @@ def _rounding_of(spec: DeepseekV4Spec, schemes: dict[str, str | None]) -> DraftR
         elif m.endswith((".e_proj", ".h_proj")):
             parts[m.rsplit(".", 1)[1]].add(scheme)
         elif scheme is not None:
-            raise ValueError(f"{spec.source}: MTP module {m} is declared quantized with input rounding ({scheme}); "
-                             f"VLLM_DSV4_MTP_DRAFT_PRECISION=stored cannot compute it as stored on the portable "
-                             "draft (attention projections are not emulated): unset it to run the draft in bf16")
+            raise ValueError(
+                f"{spec.source}: MTP module {m} is declared quantized with input rounding ({scheme}); "
+                f"VLLM_DSV4_MTP_DRAFT_PRECISION=stored cannot compute it as stored on the portable "
+                "draft (attention projections are not emulated): unset it to run the draft in bf16"
+            )
 
     def one(part: str) -> str | None:
         found = parts[part] | ({None} if part != "routed" and not parts[part] else set())
         if len(found) > 1:
-            raise ValueError(f"{spec.source}: the MTP layer's {part} modules are declared with different "
-                             f"activation schemes {sorted(map(str, found))}")
+            raise ValueError(
+                f"{spec.source}: the MTP layer's {part} modules are declared with different "
+                f"activation schemes {sorted(map(str, found))}"
+            )
         return next(iter(found), None)
 
     def fp8(part: str) -> Rounding | None:
@@ -159,12 +176,16 @@ def _rounding_of(spec: DeepseekV4Spec, schemes: dict[str, str | None]) -> DraftR
         if scheme is None:
             return None
         if not scheme.startswith("fp8:"):
-            raise ValueError(f"{spec.source}: the MTP layer's {part} is declared {scheme}; the portable draft "
-                             "computes it as stored only as an FP8 block linear")
+            raise ValueError(
+                f"{spec.source}: the MTP layer's {part} is declared {scheme}; the portable draft "
+                "computes it as stored only as an FP8 block linear"
+            )
         return partial(fake_quant_act, scale_format=scheme[4:])
 
     routed = one("routed")
     if routed not in (None, "w4a4"):
-        raise ValueError(f"{spec.source}: the MTP layer's routed experts are declared {routed}; the portable draft "
-                         "computes them as stored only as MXFP4 (W4A4 or weight-only)")
+        raise ValueError(
+            f"{spec.source}: the MTP layer's routed experts are declared {routed}; the portable draft "
+            "computes them as stored only as MXFP4 (W4A4 or weight-only)"
+        )
     return DraftRounding(routed=routed == "w4a4", shared=fp8("shared"), e_proj=fp8("e_proj"), h_proj=fp8("h_proj"))

@@ -29,8 +29,12 @@ def rope_inv_freq(rope_dim: int, theta: float, yarn: dict | None) -> torch.Tenso
         return inv_freq
     factor = float(yarn["factor"])
     low, high = yarn_find_correction_range(
-        yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1, rope_dim, theta,
-        yarn["original_max_position_embeddings"], truncate=yarn.get("truncate", True),
+        yarn.get("beta_fast") or 32,
+        yarn.get("beta_slow") or 1,
+        rope_dim,
+        theta,
+        yarn["original_max_position_embeddings"],
+        truncate=yarn.get("truncate", True),
     )
     # extrapolation weight is 1 for high-frequency pairs (kept), 0 for low-frequency ones (interpolated)
     keep = 1.0 - yarn_linear_ramp_mask(low, high, rope_dim // 2, torch.float32)
@@ -64,16 +68,20 @@ class DeepseekV4Rope(nn.Module):
         cos, sin = self.cos_sin(positions)
         return torch.complex(cos, sin)
 
-    def step_rotation(self, rotations: dict[tuple[tuple, str, bool], torch.Tensor], tag: str, positions: torch.Tensor,
-                      inverse: bool = False) -> torch.Tensor:
+    def step_rotation(
+        self,
+        rotations: dict[tuple[tuple, str, bool], torch.Tensor],
+        tag: str,
+        positions: torch.Tensor,
+        inverse: bool = False,
+    ) -> torch.Tensor:
         """:meth:`rotation` (conjugated when ``inverse``), kept in the step's ``rotations``
         (``PortableAttentionMetadata.derived.rotations``) under ``tag`` (the role of ``positions``), so the
         layers sharing this rope's frequencies compute it once per step."""
         key = (self.key, tag, inverse)
         rot = rotations.get(key)
         if rot is None:
-            rot = (self.step_rotation(rotations, tag, positions).conj_physical() if inverse
-                   else self.rotation(positions))
+            rot = self.step_rotation(rotations, tag, positions).conj_physical() if inverse else self.rotation(positions)
             rotations[key] = rot
         return rot
 

@@ -29,8 +29,9 @@ def additive_mask(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill_(masked, NEG_INF)
 
 
-def flash_lse(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_lse(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One key set per batch row: ``q [N, M, H, d]`` over ``keys [N, K, d]`` (shared by the row's ``M``
     queries and ``H`` heads) with ``mask [N, M, K]`` additive (:func:`additive_mask`, ``q.dtype``) ->
     ``(o [N, M, H, d]`` in ``q.dtype``, ``lse [N, M, H]`` float32). A query whose keys are all masked gets
@@ -48,12 +49,14 @@ def flash_lse(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
         mask = mask.unsqueeze(2).expand(n, m, h, k).reshape(n, 1, m * h, k)
     kv = keys.unsqueeze(1)
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.reshape(n, 1, m * h, d), kv, kv, attn_mask=mask, scale=scale)
+        q.reshape(n, 1, m * h, d), kv, kv, attn_mask=mask, scale=scale
+    )
     return o.view(n, m, h, d), lse.view(n, m, h)
 
 
-def combine_with_sink(parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor,
-                      dtype: torch.dtype) -> torch.Tensor:
+def combine_with_sink(
+    parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Key sets' ``(o [..., H, d], lse [..., H])`` and the sink logits ``sink [H]`` -> ``[..., H, d]`` in
     ``dtype`` (computed in float32)."""
     sink = sink.float()
@@ -74,9 +77,13 @@ def combine_with_sink(parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torc
     return out.to(dtype)
 
 
-def sink_attention(q: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor],
-                   per_query: tuple[torch.Tensor, torch.Tensor] | None, sink: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+def sink_attention(
+    q: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor],
+    per_query: tuple[torch.Tensor, torch.Tensor] | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """``q [B, S, H, d]`` (``B`` segments of ``S`` queries) over ``shared = (keys [B, K, d], mask [B, S, K])``
     (keys every query of a segment may see; ``mask`` additive in ``q.dtype``, :func:`additive_mask`) and
     optionally ``per_query = (keys [B, S, k, d], masked [B, S, k] bool)`` (one key set per query: the C4
@@ -90,23 +97,32 @@ def sink_attention(q: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor],
         b, s, h, d = q.shape
         pkeys, pmasked = per_query
         k = pkeys.shape[2]
-        o, lse = flash_lse(q.reshape(b * s, 1, h, d), pkeys.reshape(b * s, k, d),
-                           additive_mask(pmasked.reshape(b * s, 1, k), q.dtype), scale)
+        o, lse = flash_lse(
+            q.reshape(b * s, 1, h, d),
+            pkeys.reshape(b * s, k, d),
+            additive_mask(pmasked.reshape(b * s, 1, k), q.dtype),
+            scale,
+        )
         # a query with no visible pick: its set contributes nothing (the kernel reports lse = 0 for it)
         lse = lse.view(b, s, h).masked_fill(pmasked.all(dim=-1, keepdim=True), NEG_INF)
         parts.append((o.reshape(b, s, h, d), lse))
     return combine_with_sink(parts, sink, q.dtype)
 
 
-def sink_attention_reference(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor,
-                             scale: float) -> torch.Tensor:
+def sink_attention_reference(
+    q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor, scale: float
+) -> torch.Tensor:
     """The same function in float32 matmuls over concatenated logits: ``parts`` are ``(keys, masked)`` with
     ``keys`` either ``[B, K, d]`` (shared by a segment's queries) or ``[B, S, k, d]`` (one set per query)."""
     b, s, h, d = q.shape
     qf = q.float()
     keys = [k.float() for k, _ in parts]
-    logits = [torch.bmm(qf.reshape(b, s * h, d), k.transpose(1, 2)).view(b, s, h, -1) if k.dim() == 3
-              else torch.matmul(qf, k.transpose(-1, -2)) for k in keys]
+    logits = [
+        torch.bmm(qf.reshape(b, s * h, d), k.transpose(1, 2)).view(b, s, h, -1)
+        if k.dim() == 3
+        else torch.matmul(qf, k.transpose(-1, -2))
+        for k in keys
+    ]
     sizes = [x.shape[-1] for x in logits]
     masked = torch.cat([m for _, m in parts], dim=-1)
     logits = torch.cat(logits, dim=-1).mul_(scale).masked_fill_(masked.unsqueeze(2), NEG_INF)

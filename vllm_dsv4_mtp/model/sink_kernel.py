@@ -41,9 +41,16 @@ def _function():
     return function("sink_attention", "dsv4_sink_attention", SIGNATURE)
 
 
-def attend_rows(q: torch.Tensor, pieces: torch.Tensor, shared_index: torch.Tensor, shared_masked: torch.Tensor,
-                own_index: torch.Tensor | None, own_masked: torch.Tensor | None, sink: torch.Tensor,
-                scale: float) -> torch.Tensor:
+def attend_rows(
+    q: torch.Tensor,
+    pieces: torch.Tensor,
+    shared_index: torch.Tensor,
+    shared_masked: torch.Tensor,
+    own_index: torch.Tensor | None,
+    own_masked: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Sink attention of ``q [B, S, H, d]`` over keys read from ``pieces [N, d]`` (the cache's piece table,
     ``PagedRowCache.piece_table``): every query of segment ``b`` may see the rows ``shared_index [B, K]`` where
     ``shared_masked [B, S, K]`` (bool, True = masked) is False, and query ``(b, s)`` also its own
@@ -54,35 +61,65 @@ def attend_rows(q: torch.Tensor, pieces: torch.Tensor, shared_index: torch.Tenso
     if fn is None:
         raise KernelError("the sink-attention kernel is not available (see the log)")
     b, s, h, d = q.shape
-    if (q.dtype != pieces.dtype or q.dtype not in ROW_DTYPES or pieces.dim() != 2 or pieces.shape[-1] != d
-            or not pieces.is_contiguous()):
-        raise ValueError(f"attend_rows: q {q.dtype} [.., {d}] against a {pieces.dtype} piece table "
-                         f"{tuple(pieces.shape)} (contiguous: {pieces.is_contiguous()})")
+    if (
+        q.dtype != pieces.dtype
+        or q.dtype not in ROW_DTYPES
+        or pieces.dim() != 2
+        or pieces.shape[-1] != d
+        or not pieces.is_contiguous()
+    ):
+        raise ValueError(
+            f"attend_rows: q {q.dtype} [.., {d}] against a {pieces.dtype} piece table "
+            f"{tuple(pieces.shape)} (contiguous: {pieces.is_contiguous()})"
+        )
     masks = (shared_masked,) if own_masked is None else (shared_masked, own_masked)
     indices = (shared_index,) if own_index is None else (shared_index, own_index)
-    if (any(t.dtype != torch.int64 for t in indices) or any(t.dtype not in (torch.bool, torch.uint8) for t in masks)
-            or sink.numel() != h):
-        raise ValueError(f"attend_rows: int64 indices, bool masks and {h} sink logits expected, got "
-                         f"{[t.dtype for t in indices]}, {[t.dtype for t in masks]}, {sink.numel()} sink logits")
+    if (
+        any(t.dtype != torch.int64 for t in indices)
+        or any(t.dtype not in (torch.bool, torch.uint8) for t in masks)
+        or sink.numel() != h
+    ):
+        raise ValueError(
+            f"attend_rows: int64 indices, bool masks and {h} sink logits expected, got "
+            f"{[t.dtype for t in indices]}, {[t.dtype for t in masks]}, {sink.numel()} sink logits"
+        )
     if q.stride(3) != 1 or q.stride(2) != d or q.stride(0) != s * q.stride(1):
         q = q.contiguous()
     k = 0 if own_index is None else own_index.shape[-1]
     shared_index = shared_index.contiguous()
     shared_masked = shared_masked.contiguous()
     if shared_index.shape != (b, shared_index.shape[1]) or shared_masked.shape != (b, s, shared_index.shape[1]):
-        raise ValueError(f"attend_rows: shared keys {tuple(shared_index.shape)} / {tuple(shared_masked.shape)} "
-                         f"for {b} x {s} queries")
+        raise ValueError(
+            f"attend_rows: shared keys {tuple(shared_index.shape)} / {tuple(shared_masked.shape)} for {b} x {s} queries"
+        )
     if k:
         own_index, own_masked = own_index.contiguous(), own_masked.contiguous()
         if own_index.shape != (b, s, k) or own_masked.shape != (b, s, k):
-            raise ValueError(f"attend_rows: own keys {tuple(own_index.shape)} / {tuple(own_masked.shape)} for "
-                             f"{b} x {s} queries")
+            raise ValueError(
+                f"attend_rows: own keys {tuple(own_index.shape)} / {tuple(own_masked.shape)} for {b} x {s} queries"
+            )
     sink = sink.float().contiguous()
     out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device)
-    rc = fn(q.data_ptr(), q.stride(1), pieces.data_ptr(), pieces.shape[0], ROW_DTYPES[q.dtype], b, s, h, d,
-            shared_index.data_ptr(), shared_masked.data_ptr(), shared_index.shape[1],
-            own_index.data_ptr() if k else None, own_masked.data_ptr() if k else None, k,
-            sink.data_ptr(), scale, out.data_ptr())
+    rc = fn(
+        q.data_ptr(),
+        q.stride(1),
+        pieces.data_ptr(),
+        pieces.shape[0],
+        ROW_DTYPES[q.dtype],
+        b,
+        s,
+        h,
+        d,
+        shared_index.data_ptr(),
+        shared_masked.data_ptr(),
+        shared_index.shape[1],
+        own_index.data_ptr() if k else None,
+        own_masked.data_ptr() if k else None,
+        k,
+        sink.data_ptr(),
+        scale,
+        out.data_ptr(),
+    )
     if rc:
         raise KernelError(f"the sink-attention kernel failed: {ERRORS.get(rc, rc)}")
     return out
@@ -96,7 +133,7 @@ def usable(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
     return kernel_works(dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_works(dtype: torch.dtype) -> bool:
     """One probe per process and dtype: a decode and a verify window (two segments, own picks, masked keys, a
     query with every key masked) against the float32 reference, within this dtype's rounding."""
@@ -120,14 +157,18 @@ def kernel_works(dtype: torch.dtype) -> bool:
         try:
             got = attend_rows(q, pieces, index, masked, own if k else None, own_masked if k else None, sink, 0.125)
         except (KernelError, ValueError) as e:
-            logger.info("vllm-dsv4-mtp: the sink-attention kernel failed its probe (%s); the attention keeps "
-                        "torch's path", e)
+            logger.info(
+                "vllm-dsv4-mtp: the sink-attention kernel failed its probe (%s); the attention keeps torch's path", e
+            )
             return False
         parts = [(pieces[index], masked)] + ([(pieces[own], own_masked)] if k else [])
         want = sink_attention_reference(q, parts, sink, 0.125)
         worst = max(worst, (got.float() - want.float()).abs().max().item())
     ok = worst <= (1e-5 if dtype == torch.float32 else 1e-2)
     if not ok:
-        logger.warning("vllm-dsv4-mtp: the sink-attention kernel differs from the reference by %.3g on a probe; "
-                       "the attention keeps torch's path", worst)
+        logger.warning(
+            "vllm-dsv4-mtp: the sink-attention kernel differs from the reference by %.3g on a probe; "
+            "the attention keeps torch's path",
+            worst,
+        )
     return ok

@@ -37,8 +37,10 @@ def wide_linear(weight: torch.Tensor) -> Linear | None:
     if weight.dtype != torch.float32:
         return None
     if weight.numel() == 0:
-        raise ValueError("wide_linear: the weight is empty (vLLM's CPU dispatch drops a packed layer's weight): "
-                         "copy it before vLLM processes the layer, or mark the layer (split_sum_linear)")
+        raise ValueError(
+            "wide_linear: the weight is empty (vLLM's CPU dispatch drops a packed layer's weight): "
+            "copy it before vLLM processes the layer, or mark the layer (split_sum_linear)"
+        )
     wide = weight.detach().to(WIDE)
     return lambda x: F.linear(x.to(WIDE), wide)
 

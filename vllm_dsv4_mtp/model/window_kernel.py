@@ -51,7 +51,7 @@ def usable(kv_cache: torch.Tensor, head_dim: int) -> bool:
     return kernel_works(kv_cache.dtype, head_dim)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_works(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether this vLLM build's CPU kernel, driven as a step drives it (:meth:`WindowKernel.write` and
     :meth:`WindowKernel.attend`), gives the sink attention of two small steps (two prefills, then a chunk of
@@ -75,26 +75,39 @@ def kernel_works(dtype: torch.dtype, head_dim: int) -> bool:
             req = np.concatenate([np.full(b - a, i) for i, (_, a, b) in enumerate(step)])
             md = PortableAttentionMetadata.create(
                 query_start_loc=np.cumsum([0] + [b - a for _, a, b in step]),
-                seq_lens=np.array([b for _, _, b in step]), block_table=table[reqs],
+                seq_lens=np.array([b for _, _, b in step]),
+                block_table=table[reqs],
                 slot_mapping=torch.from_numpy(table[reqs][req, pos // block] * block + pos % block),
-                num_actual_tokens=len(pos), block_size=block, device=torch.device("cpu"))
+                num_actual_tokens=len(pos),
+                block_size=block,
+                device=torch.device("cpu"),
+            )
             kernel.write(md, torch.cat([latents[r][a:b] for r, a, b in step]))
             q = torch.randn(len(pos), heads, head_dim, generator=g).to(dtype)
             out = kernel.attend(md, q, sink)
             for t, (i, p) in enumerate(zip(req, pos)):
                 keys = latents[reqs[i]][max(0, p - window + 1) : p + 1].unsqueeze(0)
-                ref = sink_attention_reference(q[t].view(1, 1, heads, head_dim),
-                                               [(keys, torch.zeros(1, 1, keys.shape[1], dtype=torch.bool))],
-                                               sink, kernel.scale)
+                ref = sink_attention_reference(
+                    q[t].view(1, 1, heads, head_dim),
+                    [(keys, torch.zeros(1, 1, keys.shape[1], dtype=torch.bool))],
+                    sink,
+                    kernel.scale,
+                )
                 worst = max(worst, (out[t].float() - ref.view(heads, head_dim).float()).abs().max().item())
     except Exception as e:  # noqa: BLE001 (a missing op, an unsupported instruction set: the portable path)
-        logger.info("vllm-dsv4-mtp: vLLM's CPU attention kernel is not usable here (%s); SWA layers keep the "
-                    "portable attention", e)
+        logger.info(
+            "vllm-dsv4-mtp: vLLM's CPU attention kernel is not usable here (%s); SWA layers keep the "
+            "portable attention",
+            e,
+        )
         return False
     ok = worst <= (1e-4 if dtype == torch.float32 else 3e-2)
     if not ok:
-        logger.warning("vllm-dsv4-mtp: vLLM's CPU attention kernel differs from the reference sink attention by "
-                       "%.3g on a probe step; SWA layers keep the portable attention", worst)
+        logger.warning(
+            "vllm-dsv4-mtp: vLLM's CPU attention kernel differs from the reference sink attention by "
+            "%.3g on a probe step; SWA layers keep the portable attention",
+            worst,
+        )
     return ok
 
 
@@ -132,14 +145,34 @@ class WindowKernel:
             seq_lens = torch.from_numpy(md._seq_lens.astype("int32"))
             table = torch.from_numpy(md._bt.astype("int32"))
             sched = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=seq_lens.shape[0], num_heads=heads, num_kv_heads=1, head_dim=self.head_dim,
-                seq_lens=seq_lens, dtype=q.dtype, query_start_loc=qsl, causal=True,
-                sliding_window_size=self.window, isa=ISA, enable_kv_split=False)
+                num_reqs=seq_lens.shape[0],
+                num_heads=heads,
+                num_kv_heads=1,
+                head_dim=self.head_dim,
+                seq_lens=seq_lens,
+                dtype=q.dtype,
+                query_start_loc=qsl,
+                causal=True,
+                sliding_window_size=self.window,
+                isa=ISA,
+                enable_kv_split=False,
+            )
             schedules[key] = KernelSchedule(qsl, seq_lens, table, sched)
         step = schedules[key]
         ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=self.key_cache, value_cache=self.value_cache, output=out,
-            query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, scale=self.scale, causal=True,
-            alibi_slopes=None, sliding_window=self.window, block_table=step.block_table, softcap=0.0,
-            scheduler_metadata=step.scheduler, s_aux=sink)
+            query=q,
+            key_cache=self.key_cache,
+            value_cache=self.value_cache,
+            output=out,
+            query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens,
+            scale=self.scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=self.window,
+            block_table=step.block_table,
+            softcap=0.0,
+            scheduler_metadata=step.scheduler,
+            s_aux=sink,
+        )
         return out

@@ -1,4 +1,6 @@
-"""Float32 reference of DeepSeek-V4's MTP layer (the MTP block of https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/inference/model.py), with vLLM's conventions.
+"""Float32 reference of DeepSeek-V4's MTP layer, with vLLM's conventions.
+
+The MTP block of https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/inference/model.py.
 
 Written from the spec; the decoder block itself is transformers 5.19's public ``DeepseekV4DecoderLayer``
 configured as a sliding-window (SWA), bias-routed MoE layer, so the maths of attention / MoE / mHC is an
@@ -43,13 +45,22 @@ from .names import block_native_to_hf, native_dtype
 
 MTP_PREFIX = "mtp.0."
 # the MTP layer's own tensors around its decoder block (native leaves under mtp.0.)
-_MTP_OWN_LEAVES = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
-                   "hc_head_fn", "hc_head_base", "hc_head_scale")
+_MTP_OWN_LEAVES = (
+    "e_proj.weight",
+    "h_proj.weight",
+    "enorm.weight",
+    "hnorm.weight",
+    "norm.weight",
+    "hc_head_fn",
+    "hc_head_base",
+    "hc_head_scale",
+)
 _ATTN_IMPL = "dsv4_reference_mtp"
 
 
-def _mtp_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, mtp_record_kv=None,
-                   mtp_context_kv=None, **kwargs):
+def _mtp_attention(
+    module, query, key, value, attention_mask, scaling, dropout=0.0, mtp_record_kv=None, mtp_context_kv=None, **kwargs
+):
     """Eager attention with the sink (transformers' own), plus two hooks for the MTP recursion:
     ``mtp_record_kv`` (a list) receives this step's rope'd K=V ``[B, 1, T, d]``; ``mtp_context_kv`` is a
     ready ``(kv, mask)`` pair that replaces K=V and the mask (see :func:`recursion_context`)."""
@@ -72,7 +83,9 @@ def sliding_causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -
     return torch.zeros(ok.shape, dtype=torch.float32, device=q_pos.device).masked_fill(~ok, float("-inf"))[:, None]
 
 
-def recursion_context(step_kvs: list[torch.Tensor], positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def recursion_context(
+    step_kvs: list[torch.Tensor], positions: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K=V and mask for recursion step ``k = len(step_kvs) + 1`` over all rows at once.
 
     Row ``i`` of every step belongs to base position ``t_i = positions[i]``; step ``m`` sits at position
@@ -145,9 +158,15 @@ class ReferenceMTP(nn.Module):
     def head(self) -> nn.Linear:
         return self._shared[1]
 
-    def forward(self, hidden_states: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-                past_key_values: DynamicCache | None = None, context_kv: list[torch.Tensor] | None = None,
-                record_kv: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        past_key_values: DynamicCache | None = None,
+        context_kv: list[torch.Tensor] | None = None,
+        record_kv: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """One MTP step.
 
         hidden_states: ``[B, T, hc, D]`` (or ``[T, hc, D]``): the target's pre-``hc_head`` streams at each
@@ -177,8 +196,15 @@ class ReferenceMTP(nn.Module):
             k_pos = torch.cat([positions[:, :1] - n_old + torch.arange(n_old, device=positions.device), positions], 1)
             attn_kwargs = {"attention_mask": sliding_causal_mask(positions, k_pos, self.window)}
         cos_sin = self.rotary_emb(x, position_ids=positions, layer_type="main")
-        out = self.block(x, input_ids=next_ids, position_embeddings={"main": cos_sin}, position_ids=positions,
-                         past_key_values=past_key_values, mtp_record_kv=record_kv, **attn_kwargs)
+        out = self.block(
+            x,
+            input_ids=next_ids,
+            position_embeddings={"main": cos_sin},
+            position_ids=positions,
+            past_key_values=past_key_values,
+            mtp_record_kv=record_kv,
+            **attn_kwargs,
+        )
         return out[0] if unbatched else out
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
@@ -196,8 +222,13 @@ class ReferenceMTP(nn.Module):
         for k in range(1, num_steps + 1):
             n = L - k
             rec: list[torch.Tensor] = []
-            state = self(state[:, :n], ids[:, k:k + n], base[:, :n] + (k - 1),
-                         context_kv=[kv[:, :, :n] for kv in kvs] if kvs else None, record_kv=rec)
+            state = self(
+                state[:, :n],
+                ids[:, k : k + n],
+                base[:, :n] + (k - 1),
+                context_kv=[kv[:, :, :n] for kv in kvs] if kvs else None,
+                record_kv=rec,
+            )
             kvs.append(rec[0])
             out.append(self.logits(state))
         return out
@@ -211,7 +242,7 @@ class ReferenceMTP(nn.Module):
         cache = DynamicCache(config=self.config)
         n = target_hidden.shape[0]
         pos = torch.arange(n, device=ids.device)
-        state = self(target_hidden[None], ids[None, 1:n + 1], pos[None], past_key_values=cache)[:, -1:]
+        state = self(target_hidden[None], ids[None, 1 : n + 1], pos[None], past_key_values=cache)[:, -1:]
         drafts = []
         for k in range(num_steps):
             tok = self.logits(state)[0, -1].argmax()
@@ -227,10 +258,14 @@ class ReferenceMTP(nn.Module):
         from .names import block_hf_to_native
 
         out = {
-            MTP_PREFIX + "e_proj.weight": self.e_proj.weight, MTP_PREFIX + "h_proj.weight": self.h_proj.weight,
-            MTP_PREFIX + "enorm.weight": self.enorm.weight, MTP_PREFIX + "hnorm.weight": self.hnorm.weight,
-            MTP_PREFIX + "norm.weight": self.norm.weight, MTP_PREFIX + "hc_head_fn": self.hc_head.hc_fn,
-            MTP_PREFIX + "hc_head_base": self.hc_head.hc_base, MTP_PREFIX + "hc_head_scale": self.hc_head.hc_scale,
+            MTP_PREFIX + "e_proj.weight": self.e_proj.weight,
+            MTP_PREFIX + "h_proj.weight": self.h_proj.weight,
+            MTP_PREFIX + "enorm.weight": self.enorm.weight,
+            MTP_PREFIX + "hnorm.weight": self.hnorm.weight,
+            MTP_PREFIX + "norm.weight": self.norm.weight,
+            MTP_PREFIX + "hc_head_fn": self.hc_head.hc_fn,
+            MTP_PREFIX + "hc_head_base": self.hc_head.hc_base,
+            MTP_PREFIX + "hc_head_scale": self.hc_head.hc_scale,
         }
         out.update(block_hf_to_native(self.block.state_dict(), MTP_PREFIX))
         return {k: v.detach() for k, v in out.items()}
@@ -249,25 +284,35 @@ class ReferenceMTP(nn.Module):
             raise ValueError(f"{source}: missing MTP tensor {missing[0]!r}{more}")
         unexpected = sorted(set(mine) - set(expected))
         if unexpected:
-            raise ValueError(f"{source}: unexpected MTP tensor {unexpected[0]!r} (the MTP layer is an SWA, "
-                             f"bias-routed block; quantized MTP weights are not accepted by the reference)")
+            raise ValueError(
+                f"{source}: unexpected MTP tensor {unexpected[0]!r} (the MTP layer is an SWA, "
+                f"bias-routed block; quantized MTP weights are not accepted by the reference)"
+            )
         for name, ref in expected.items():
             t = mine[name]
             if tuple(t.shape) != tuple(ref.shape):
                 raise ValueError(f"{source}: tensor {name!r} has shape {list(t.shape)}, expected {list(ref.shape)}")
             if not (t.dtype.is_floating_point and t.element_size() >= 2):
-                raise ValueError(f"{source}: tensor {name!r} is {t.dtype}; the MTP layer must be BF16/F32 "
-                                 f"(expected {native_dtype(name)})")
+                raise ValueError(
+                    f"{source}: tensor {name!r} is {t.dtype}; the MTP layer must be BF16/F32 "
+                    f"(expected {native_dtype(name)})"
+                )
         with torch.no_grad():
-            for attr, leaf in (("e_proj", "e_proj.weight"), ("h_proj", "h_proj.weight"), ("enorm", "enorm.weight"),
-                               ("hnorm", "hnorm.weight"), ("norm", "norm.weight")):
+            for attr, leaf in (
+                ("e_proj", "e_proj.weight"),
+                ("h_proj", "h_proj.weight"),
+                ("enorm", "enorm.weight"),
+                ("hnorm", "hnorm.weight"),
+                ("norm", "norm.weight"),
+            ):
                 getattr(self, attr).weight.copy_(mine[MTP_PREFIX + leaf].float())
             self.hc_head.hc_fn.copy_(mine[MTP_PREFIX + "hc_head_fn"].float())
             self.hc_head.hc_base.copy_(mine[MTP_PREFIX + "hc_head_base"].float())
             self.hc_head.hc_scale.copy_(mine[MTP_PREFIX + "hc_head_scale"].float())
             own = {MTP_PREFIX + leaf for leaf in _MTP_OWN_LEAVES}
-            block = block_native_to_hf({k: v for k, v in mine.items() if k not in own}, MTP_PREFIX,
-                                       self.config.n_routed_experts, source)
+            block = block_native_to_hf(
+                {k: v for k, v in mine.items() if k not in own}, MTP_PREFIX, self.config.n_routed_experts, source
+            )
             self.block.load_state_dict({k: v.float() for k, v in block.items()}, strict=True)
 
     @classmethod

@@ -121,16 +121,17 @@ def block_hf_to_native(hf: Mapping[str, torch.Tensor], prefix: str) -> dict[str,
     return out
 
 
-def block_native_to_hf(native: Mapping[str, torch.Tensor], prefix: str, n_experts: int,
-                       source: str = "checkpoint") -> dict[str, torch.Tensor]:
+def block_native_to_hf(
+    native: Mapping[str, torch.Tensor], prefix: str, n_experts: int, source: str = "checkpoint"
+) -> dict[str, torch.Tensor]:
     """Native tensors under ``prefix`` -> one HF decoder block's state (names relative to the layer).
     Routed experts are stacked into ``gate_up_proj`` / ``down_proj``; a missing expert tensor is a
     KeyError naming it and ``source``."""
     out: dict[str, torch.Tensor] = {}
     for name, t in native.items():
-        if not name.startswith(prefix) or ".ffn.experts." in f".{name[len(prefix):]}":
+        if not name.startswith(prefix) or ".ffn.experts." in f".{name[len(prefix) :]}":
             continue
-        leaf = name[len(prefix):]
+        leaf = name[len(prefix) :]
         if leaf not in _BLOCK_NATIVE_TO_HF:
             raise KeyError(f"{source}: unexpected tensor {name!r} (not part of a DeepSeek-V4 block)")
         out[_BLOCK_NATIVE_TO_HF[leaf]] = t
@@ -158,7 +159,7 @@ def causal_lm_to_native(hf_state: Mapping[str, torch.Tensor], num_layers: int) -
         if name in _TOP_HF_TO_NATIVE:
             out[_TOP_HF_TO_NATIVE[name]] = t
         elif name.startswith("model.layers."):
-            idx, leaf = name[len("model.layers."):].split(".", 1)
+            idx, leaf = name[len("model.layers.") :].split(".", 1)
             per_layer[int(idx)][leaf] = t
         else:
             raise KeyError(f"no native name for HF tensor {name!r}")

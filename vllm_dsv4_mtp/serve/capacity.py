@@ -24,14 +24,36 @@ from pathlib import Path
 from vllm_dsv4_mtp.serve.kv import GIB, KV_MEASURED_SOURCE, kv_bytes_per_token, kv_row_bytes_per_token
 from vllm_dsv4_mtp.serve.profiles import GIB_IN_GB, HARDWARE, KNOWN_CHECKPOINTS, Hardware
 from vllm_dsv4_mtp.serve.reserve import TOPOLOGY_LABELS, reserve_for
-from vllm_dsv4_mtp.serve.weight_bytes import (PLUGIN_DRAFT, VLLM_DRAFT, Parallelism, Runs, WeightTable,
-                                         load_weight_table, part_of, weight_table)
+from vllm_dsv4_mtp.serve.weight_bytes import (
+    PLUGIN_DRAFT,
+    VLLM_DRAFT,
+    Parallelism,
+    Runs,
+    WeightTable,
+    load_weight_table,
+    part_of,
+    weight_table,
+)
 
 GB = 1e9
 
-__all__ = ["GB", "GIB", "CapacityError", "CapacityReport", "Parallelism", "Runs", "WeightTable", "PLUGIN_DRAFT",
-           "VLLM_DRAFT", "check_capacity", "kv_bytes_per_token", "kv_row_bytes_per_token", "load_weight_table",
-           "part_of", "weight_table"]
+__all__ = [
+    "GB",
+    "GIB",
+    "CapacityError",
+    "CapacityReport",
+    "Parallelism",
+    "Runs",
+    "WeightTable",
+    "PLUGIN_DRAFT",
+    "VLLM_DRAFT",
+    "check_capacity",
+    "kv_bytes_per_token",
+    "kv_row_bytes_per_token",
+    "load_weight_table",
+    "part_of",
+    "weight_table",
+]
 
 _DRAFT_ROWS = {PLUGIN_DRAFT: "MTP layer (plugin's BF16 draft)", VLLM_DRAFT: "MTP layer (vLLM's draft, stored)"}
 
@@ -58,9 +80,13 @@ def _row(text: str, nbytes: float) -> str:
 
 def _weight_rows(table: WeightTable, par: Parallelism, runs: Runs) -> tuple[list[str], float]:
     """One row per target part, one for the MTP layer; and the weights per GPU (bytes)."""
-    split = {"experts": f"/ {par.expert_ways * par.pp} (TPxDP{', EP' if par.expert_parallel else ''})"
-             if par.dp > 1 else f"/ {par.expert_ways * par.pp} ({'EP' if par.expert_parallel else 'TP'})",
-             "tp": f"/ {par.tp * par.pp} (TP)", "replicated": "replicated" if par.pp == 1 else f"/ {par.pp} (PP)"}
+    split = {
+        "experts": f"/ {par.expert_ways * par.pp} (TPxDP{', EP' if par.expert_parallel else ''})"
+        if par.dp > 1
+        else f"/ {par.expert_ways * par.pp} ({'EP' if par.expert_parallel else 'TP'})",
+        "tp": f"/ {par.tp * par.pp} (TP)",
+        "replicated": "replicated" if par.pp == 1 else f"/ {par.pp} (PP)",
+    }
     rows, weights = [], 0.0
     parts = list(table.parts(runs))
     draft = [(p, stored) for comp, p, stored in parts if comp == "draft"]
@@ -70,15 +96,25 @@ def _weight_rows(table: WeightTable, par: Parallelism, runs: Runs) -> tuple[list
             continue
         per_gpu = nbytes / p.ways(par)
         weights += per_gpu
-        rows.append(_row(f"{p.label:<32} {p.precision_label(stored, runs.dtype_bytes):<20} "
-                         f"{_fmt_params(p.params):>12} {nbytes / GB:8.2f} GB  {split[p.split]:<16}", per_gpu))
+        rows.append(
+            _row(
+                f"{p.label:<32} {p.precision_label(stored, runs.dtype_bytes):<20} "
+                f"{_fmt_params(p.params):>12} {nbytes / GB:8.2f} GB  {split[p.split]:<16}",
+                per_gpu,
+            )
+        )
     if draft:
         nbytes = sum(p.nbytes(s, runs.dtype_bytes) for p, s in draft)
         per = sum(p.nbytes(s, runs.dtype_bytes) / p.ways(par) for p, s in draft)
         weights += per
         prec = "+".join(sorted({x for p, s in draft for x in p.precision_label(s, runs.dtype_bytes).split("+")}))
-        rows.append(_row(f"{_DRAFT_ROWS[runs.draft]:<32} {prec:<20} {_fmt_params(sum(p.params for p, _ in draft)):>12}"
-                         f" {nbytes / GB:8.2f} GB  {'split as above':<16}", per))
+        rows.append(
+            _row(
+                f"{_DRAFT_ROWS[runs.draft]:<32} {prec:<20} {_fmt_params(sum(p.params for p, _ in draft)):>12}"
+                f" {nbytes / GB:8.2f} GB  {'split as above':<16}",
+                per,
+            )
+        )
     return rows, weights
 
 
@@ -106,18 +142,25 @@ def check_capacity(
     if table is None:
         return None
     mem = gpu_memory_gb if gpu_memory_gb is not None else hw.gpu_memory_gb
-    spec = (DeepseekV4Spec.from_dir(model) if Path(model).is_dir()
-            else DeepseekV4Spec.from_dict(KNOWN_CHECKPOINTS[model].config, source=model))
+    spec = (
+        DeepseekV4Spec.from_dir(model)
+        if Path(model).is_dir()
+        else DeepseekV4Spec.from_dict(KNOWN_CHECKPOINTS[model].config, source=model)
+    )
     length = max_model_len or spec.max_position_embeddings
     runs = Runs(target=hw.implementation, draft=draft if mtp else None, dtype_bytes=dtype_bytes)
 
-    out = [f"capacity check: {model} on {hw.name} ({mem / GIB_IN_GB:.2f} GiB = {mem:.2f} GB per GPU), TP={par.tp}"
-           + (f" PP={par.pp}" if par.pp > 1 else "") + (f" DP={par.dp}" if par.dp > 1 else "")
-           + (" EP" if par.expert_parallel else "") + f", MTP draft {'on' if mtp else 'off'}",
-           f"  target: {runs.target_label()}",
-           f"  draft:  {runs.draft_label()}",
-           f"  weights: {table.source}",
-           f"  {'part':<32} {'precision':<20} {'params':>12} {'bytes':>11}  {'split':<16}{'per GPU':>12}"]
+    out = [
+        f"capacity check: {model} on {hw.name} ({mem / GIB_IN_GB:.2f} GiB = {mem:.2f} GB per GPU), TP={par.tp}"
+        + (f" PP={par.pp}" if par.pp > 1 else "")
+        + (f" DP={par.dp}" if par.dp > 1 else "")
+        + (" EP" if par.expert_parallel else "")
+        + f", MTP draft {'on' if mtp else 'off'}",
+        f"  target: {runs.target_label()}",
+        f"  draft:  {runs.draft_label()}",
+        f"  weights: {table.source}",
+        f"  {'part':<32} {'precision':<20} {'params':>12} {'bytes':>11}  {'split':<16}{'per GPU':>12}",
+    ]
     rows, weights = _weight_rows(table, par, runs)
     out += rows + [_row("= weights per GPU", weights)]
     budget = gpu_memory_utilization * mem * GB
@@ -127,8 +170,12 @@ def check_capacity(
     kv_budget = budget - weights - reserve.gb * GB
     left = kv_budget - kv_need
     out.append(_row(f"budget per GPU = gpu-memory-utilization {gpu_memory_utilization:g} x {mem:.2f} GB", budget))
-    out.append(_row(f"runtime reserve, {TOPOLOGY_LABELS[reserve.topology]}: activations, workspaces, graphs, "
-                    "collectives", reserve.gb * GB))
+    out.append(
+        _row(
+            f"runtime reserve, {TOPOLOGY_LABELS[reserve.topology]}: activations, workspaces, graphs, collectives",
+            reserve.gb * GB,
+        )
+    )
     out += reserve.lines()
     out.append(_row("KV budget = budget - weights - reserve", kv_budget))
     out.append(_row(f"KV cache for one {length:,}-token sequence, {kv_cache_dtype} KV, {kv_tok:,.0f} B/token", kv_need))
@@ -136,8 +183,10 @@ def check_capacity(
     out.append(_row(f"left = {budget / GB:.2f} - {weights / GB:.2f} - {reserve.gb:.2f} - {kv_need / GB:.2f}", left))
     fits = left >= 0
     if fits:
-        out.append(f"  fits: the KV cache holds about {kv_budget / kv_tok:,.0f} tokens "
-                   f"({kv_budget / kv_tok / length:.1f} sequences of {length:,})")
+        out.append(
+            f"  fits: the KV cache holds about {kv_budget / kv_tok:,.0f} tokens "
+            f"({kv_budget / kv_tok / length:.1f} sequences of {length:,})"
+        )
     else:
         out.append(f"  does not fit: {-left / GB:.2f} GB per GPU short")
         out += _suggestions(table, par, mem, gpu_memory_utilization, reserve.gb * GB, kv_tok, length, runs, hw)
@@ -150,9 +199,11 @@ def _startup_note(hw: Hardware, budget: float, gpu_memory_gb: float | None) -> l
     after loading: reported, not refused)."""
     if hw.startup_free_gb is None or gpu_memory_gb is not None or budget <= hw.startup_free_gb * GB:
         return []
-    return [f"  note: the budget is more than the {hw.startup_free_gb:.2f} GB ({hw.startup_free_gb / GIB_IN_GB:.0f} "
-            f"GiB) measured free at start-up ({hw.startup_source}); vLLM refuses to start on such a node "
-            f"above gpu-memory-utilization {math.floor(hw.startup_free_gb / hw.gpu_memory_gb * 1000) / 1000:.3f}"]
+    return [
+        f"  note: the budget is more than the {hw.startup_free_gb:.2f} GB ({hw.startup_free_gb / GIB_IN_GB:.0f} "
+        f"GiB) measured free at start-up ({hw.startup_source}); vLLM refuses to start on such a node "
+        f"above gpu-memory-utilization {math.floor(hw.startup_free_gb / hw.gpu_memory_gb * 1000) / 1000:.3f}"
+    ]
 
 
 def _suggestions(table, par, mem, util, reserve, kv_tok, length, runs, hw) -> list[str]:

@@ -43,8 +43,9 @@ _SWITCHES = ("--list-profiles", "--dry-run", "--no-capacity-check", "--ignore-vl
 def add_parser(subparsers) -> None:
     # All arguments go to run() verbatim: most of them are vLLM's, which only vLLM's parser knows, and their
     # values must keep their order. prefix_chars="\0" makes argparse treat every token as a value.
-    p = subparsers.add_parser("serve", help="serve a model with a named profile (vLLM OpenAI server)",
-                              add_help=False, prefix_chars="\0")
+    p = subparsers.add_parser(
+        "serve", help="serve a model with a named profile (vLLM OpenAI server)", add_help=False, prefix_chars="\0"
+    )
     p.add_argument("serve_argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda args: run(args.serve_argv))
 
@@ -62,14 +63,14 @@ class _Options:
 
 def parse_serve_argv(argv: list[str]) -> _Options:
     """Separate this command's options and MODEL from the vLLM flags (kept in order)."""
-    from vllm_dsv4_mtp.serve.command import ServeArgsError, _NUMBER
+    from vllm_dsv4_mtp.serve.command import _NUMBER, ServeArgsError
 
     o = _Options()
     i = 0
     while i < len(argv):
         tok = argv[i]
         if tok == "--":
-            o.vllm += argv[i + 1:]
+            o.vllm += argv[i + 1 :]
             break
         name, eq, val = tok.partition("=")
         if name in _VALUED:
@@ -95,8 +96,12 @@ def parse_serve_argv(argv: list[str]) -> _Options:
             setattr(o, attr, True)
         elif tok.startswith("-") and not _NUMBER.match(tok):
             o.vllm.append(tok)
-            if "=" not in tok and i + 1 < len(argv) and argv[i + 1] not in _VALUED + _SWITCHES + ("--",) and (
-                    not argv[i + 1].startswith("-") or _NUMBER.match(argv[i + 1])):
+            if (
+                "=" not in tok
+                and i + 1 < len(argv)
+                and argv[i + 1] not in _VALUED + _SWITCHES + ("--",)
+                and (not argv[i + 1].startswith("-") or _NUMBER.match(argv[i + 1]))
+            ):
                 o.vllm.append(argv[i + 1])
                 i += 1
         elif o.model is None and not o.vllm:
@@ -124,14 +129,22 @@ def capacity_report(cmd, gpu_memory_gb: float | None = None):
 
     if cmd.profile.hardware is None:
         return None
-    par = Parallelism(tp=int(cmd.flag("tensor-parallel-size", 1)), pp=int(cmd.flag("pipeline-parallel-size", 1)),
-                      dp=int(cmd.flag("data-parallel-size", 1)),
-                      expert_parallel=bool(cmd.flag("enable-expert-parallel", False)))
-    return check_capacity(cmd.model, hardware=cmd.profile.hardware, par=par,
-                          gpu_memory_utilization=float(cmd.flag("gpu-memory-utilization", 0.92)),
-                          max_model_len=_int_tokens(cmd.flag("max-model-len")),
-                          kv_cache_dtype=str(cmd.flag("kv-cache-dtype", "auto")), mtp=cmd.mtp,
-                          gpu_memory_gb=gpu_memory_gb)
+    par = Parallelism(
+        tp=int(cmd.flag("tensor-parallel-size", 1)),
+        pp=int(cmd.flag("pipeline-parallel-size", 1)),
+        dp=int(cmd.flag("data-parallel-size", 1)),
+        expert_parallel=bool(cmd.flag("enable-expert-parallel", False)),
+    )
+    return check_capacity(
+        cmd.model,
+        hardware=cmd.profile.hardware,
+        par=par,
+        gpu_memory_utilization=float(cmd.flag("gpu-memory-utilization", 0.92)),
+        max_model_len=_int_tokens(cmd.flag("max-model-len")),
+        kv_cache_dtype=str(cmd.flag("kv-cache-dtype", "auto")),
+        mtp=cmd.mtp,
+        gpu_memory_gb=gpu_memory_gb,
+    )
 
 
 def _missing_model_dir(cmd, o: _Options) -> str | None:
@@ -139,8 +152,12 @@ def _missing_model_dir(cmd, o: _Options) -> str | None:
     path = Path(cmd.model).expanduser()
     if not (path.is_absolute() or cmd.model.startswith(".")) or path.is_dir():
         return None
-    hint = (" (the embedded tiny checkpoints ship with the repository, not with the wheel: run `make demo` in a "
-            "clone, or pass MODEL)" if cmd.profile.model is None and o.model is None else "")
+    hint = (
+        " (the embedded tiny checkpoints ship with the repository, not with the wheel: run `make demo` in a "
+        "clone, or pass MODEL)"
+        if cmd.profile.model is None and o.model is None
+        else ""
+    )
     return f"error: model directory {cmd.model} does not exist{hint}"
 
 
@@ -151,13 +168,17 @@ def _capacity_refusal(cmd, o: _Options) -> str | None:
     except (ValueError, KeyError) as e:  # a malformed config.json: ConfigError names file and field
         return f"error: capacity check: {e}"
     if report is None:
-        print(f"# capacity check skipped: {cmd.model} is neither a local checkpoint directory nor a known "
-              "checkpoint, so there is no config.json to compute from")
+        print(
+            f"# capacity check skipped: {cmd.model} is neither a local checkpoint directory nor a known "
+            "checkpoint, so there is no config.json to compute from"
+        )
         return None
     print(report.text, flush=True)
     if not report.fits and not o.no_capacity_check:
-        return ("refused: the capacity check above says this cannot fit (change one of the listed flags, or pass "
-                "--no-capacity-check to start anyway)")
+        return (
+            "refused: the capacity check above says this cannot fit (change one of the listed flags, or pass "
+            "--no-capacity-check to start anyway)"
+        )
     return None
 
 

@@ -20,9 +20,10 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from vllm_dsv4_mtp import platform
 from vllm_dsv4_mtp.serve.profiles import HARDWARE, Profile, default_model
@@ -33,14 +34,30 @@ SERVER_MODULES = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoin
 
 #: vLLM 0.32's one-dash spellings -> long option names (tests check this against vLLM's parser).
 SHORT_OPTIONS = {
-    "-asc": "api-server-count", "-q": "quantization", "-pp": "pipeline-parallel-size", "-n": "nnodes",
-    "-r": "node-rank", "-tp": "tensor-parallel-size", "-dcp": "decode-context-parallel-size",
-    "-pcp": "prefill-context-parallel-size", "-dp": "data-parallel-size", "-dpn": "data-parallel-rank",
-    "-dpr": "data-parallel-start-rank", "-dpl": "data-parallel-size-local", "-dpa": "data-parallel-address",
-    "-dpp": "data-parallel-rpc-port", "-dpb": "data-parallel-backend", "-dph": "data-parallel-hybrid-lb",
-    "-dpe": "data-parallel-external-lb", "-dpm": "data-parallel-multi-port-external-lb",
-    "-ep": "enable-expert-parallel", "-sc": "speculative-config", "-dc": "diffusion-config",
-    "-cc": "compilation-config", "-ac": "attention-config", "-O": "optimization-level",
+    "-asc": "api-server-count",
+    "-q": "quantization",
+    "-pp": "pipeline-parallel-size",
+    "-n": "nnodes",
+    "-r": "node-rank",
+    "-tp": "tensor-parallel-size",
+    "-dcp": "decode-context-parallel-size",
+    "-pcp": "prefill-context-parallel-size",
+    "-dp": "data-parallel-size",
+    "-dpn": "data-parallel-rank",
+    "-dpr": "data-parallel-start-rank",
+    "-dpl": "data-parallel-size-local",
+    "-dpa": "data-parallel-address",
+    "-dpp": "data-parallel-rpc-port",
+    "-dpb": "data-parallel-backend",
+    "-dph": "data-parallel-hybrid-lb",
+    "-dpe": "data-parallel-external-lb",
+    "-dpm": "data-parallel-multi-port-external-lb",
+    "-ep": "enable-expert-parallel",
+    "-sc": "speculative-config",
+    "-dc": "diffusion-config",
+    "-cc": "compilation-config",
+    "-ac": "attention-config",
+    "-O": "optimization-level",
 }
 
 _NUMBER = re.compile(r"^-?\d+(\.\d*)?([eE]-?\d+)?$")
@@ -141,8 +158,11 @@ def merge_flags(profile_args: Sequence[tuple[str, Any]], cli_tokens: Sequence[st
                 continue
             key = key + "." + ".".join(path)  # nothing to merge into: pass it to vLLM as written
         elif value is not BARE and isinstance(value, str):
-            if (key in index and isinstance(flags[index[key]].value, (dict, list))) or value.strip()[:1] in "{[" \
-                    or value == "null":
+            if (
+                (key in index and isinstance(flags[index[key]].value, (dict, list)))
+                or value.strip()[:1] in "{["
+                or value == "null"
+            ):
                 value = _parse_value(value)
         new = Flag(key, option, value)
         if key in index:
@@ -210,11 +230,15 @@ class ServeCommand:
         hw = HARDWARE.get(self.profile.hardware) if self.profile.hardware else None
         draft = "the plugin's BF16 MTP (DeepSeekV4MTPModel)" if self.mtp else "none (no MTP speculative config)"
         if hw is not None and hw.implementation == platform.IN_TREE:
-            return (f"on {hw.name} (gfx950): target = vLLM's in-tree DeepseekV4ForCausalLM with AITER, at the "
-                    f"checkpoint's own quantization; draft = {draft}")
+            return (
+                f"on {hw.name} (gfx950): target = vLLM's in-tree DeepseekV4ForCausalLM with AITER, at the "
+                f"checkpoint's own quantization; draft = {draft}"
+            )
         where = hw.name if hw is not None else "CPU"
-        return (f"on {where}: target = the plugin's portable DeepseekV4ForCausalLM (weights decoded to the model "
-                f"dtype at load); draft = {draft}")
+        return (
+            f"on {where}: target = the plugin's portable DeepseekV4ForCausalLM (weights decoded to the model "
+            f"dtype at load); draft = {draft}"
+        )
 
     def shell(self) -> str:
         """The command as a copy-pasteable shell line: environment assignments, then the server command."""
@@ -231,9 +255,13 @@ class ServeCommand:
         return " \\\n".join(lines + cmd)
 
 
-def build_command(profile: Profile, model: str | None, cli_tokens: Sequence[str],
-                  env_overrides: Mapping[str, str] | None = None,
-                  environ: Mapping[str, str] | None = None) -> ServeCommand:
+def build_command(
+    profile: Profile,
+    model: str | None,
+    cli_tokens: Sequence[str],
+    env_overrides: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServeCommand:
     """Expand ``profile`` with the command line; nothing is started."""
     flags = merge_flags(profile.args, cli_tokens)
     for f in flags:

@@ -103,7 +103,7 @@ class SpecDecodeMetrics:
             return None
         return [self.accepted_per_position[i] / self.num_drafts for i in sorted(self.accepted_per_position)]
 
-    def since(self, earlier: "SpecDecodeMetrics") -> "SpecDecodeMetrics":
+    def since(self, earlier: SpecDecodeMetrics) -> SpecDecodeMetrics:
         """The counters accumulated after ``earlier`` was scraped."""
         return SpecDecodeMetrics(
             self.num_drafts - earlier.num_drafts,
@@ -115,19 +115,24 @@ class SpecDecodeMetrics:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["accepted_per_position"] = {str(k): v for k, v in self.accepted_per_position.items()}
-        d.update(acceptance_rate=self.acceptance_rate, mean_acceptance_length=self.mean_acceptance_length,
-                 per_position_acceptance=self.per_position)
+        d.update(
+            acceptance_rate=self.acceptance_rate,
+            mean_acceptance_length=self.mean_acceptance_length,
+            per_position_acceptance=self.per_position,
+        )
         return d
 
     def summary(self) -> str:
         if not self.num_drafts:
             return f"spec decoding: {self.num_drafts:.0f} drafts so far (no acceptance to report yet)"
         pos = " ".join(f"{i}:{a:.3f}" for i, a in enumerate(self.per_position))
-        return (f"spec decoding: {self.num_drafts:.0f} drafts, {self.num_draft_tokens:.0f} draft tokens, "
-                f"{self.num_accepted_tokens:.0f} accepted\n"
-                f"  acceptance rate        {self.acceptance_rate:.4f}\n"
-                f"  mean acceptance length {self.mean_acceptance_length:.4f}\n"
-                f"  per-position acceptance {pos}")
+        return (
+            f"spec decoding: {self.num_drafts:.0f} drafts, {self.num_draft_tokens:.0f} draft tokens, "
+            f"{self.num_accepted_tokens:.0f} accepted\n"
+            f"  acceptance rate        {self.acceptance_rate:.4f}\n"
+            f"  mean acceptance length {self.mean_acceptance_length:.4f}\n"
+            f"  per-position acceptance {pos}"
+        )
 
 
 def spec_decode_metrics(text: str, model_name: str | None = None) -> SpecDecodeMetrics | None:
@@ -171,7 +176,6 @@ def fetch_metrics_text(url: str, timeout: float = 10.0) -> str:
 
 def scrape(url: str, model_name: str | None = None, timeout: float = 10.0) -> SpecDecodeMetrics | None:
     return spec_decode_metrics(fetch_metrics_text(url, timeout), model_name)
-
 
 
 def spec_decode_from_llm(metrics) -> SpecDecodeMetrics | None:

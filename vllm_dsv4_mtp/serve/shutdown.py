@@ -26,13 +26,16 @@ import json
 POLL_S = 0.5
 GRACE_S = 1.0
 
-MESSAGE = ("the server is shutting down: the engine stopped before this request finished (it was still running "
-           "when the --shutdown-timeout drain ended)")
+MESSAGE = (
+    "the server is shutting down: the engine stopped before this request finished (it was still running "
+    "when the --shutdown-timeout drain ended)"
+)
 
 
 def _error_json() -> bytes:
-    return json.dumps({"error": {"message": MESSAGE, "type": "ServiceUnavailableError", "param": None,
-                                 "code": 503}}).encode()
+    return json.dumps(
+        {"error": {"message": MESSAGE, "type": "ServiceUnavailableError", "param": None, "code": 503}}
+    ).encode()
 
 
 def engine_stopped(scope) -> bool:
@@ -89,8 +92,9 @@ class EndStreamsOnShutdown:
             return
         state["ended"] = True
         if not state["started"]:
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json")]})
+            await send(
+                {"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"application/json")]}
+            )
             await send({"type": "http.response.body", "body": _error_json(), "more_body": False})
         elif state["sse"]:
             body = b"data: " + _error_json() + b"\n\ndata: [DONE]\n\n"

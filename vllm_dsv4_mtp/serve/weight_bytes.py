@@ -30,9 +30,10 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from vllm_dsv4_mtp import platform
 from vllm_dsv4_mtp.serve.profiles import KNOWN_CHECKPOINTS
@@ -170,8 +171,16 @@ def _ordered(parts: Mapping[str, PartBytes]) -> list[PartBytes]:
 
 def _precision_of(dtype: str) -> str:
     """Storage precision of a weight tensor's safetensors dtype."""
-    return {"U8": "mxfp4", "I8": "fp4", "F8_E4M3": "fp8", "BF16": "bf16", "F32": "fp32", "F16": "fp16",
-            "I64": "int64", "I32": "int32"}.get(dtype, dtype.lower())
+    return {
+        "U8": "mxfp4",
+        "I8": "fp4",
+        "F8_E4M3": "fp8",
+        "BF16": "bf16",
+        "F32": "fp32",
+        "F16": "fp16",
+        "I64": "int64",
+        "I32": "int32",
+    }.get(dtype, dtype.lower())
 
 
 def _is_scale(name: str) -> bool:
@@ -214,8 +223,11 @@ def weight_table(spec, *, storage: Mapping[str, Any] | None = None, reader=None,
             p = slot(name)
             p.stored_bytes += math.prod(exp.shape) * DTYPE_BYTES[exp.dtypes[0]]
             if exp.role == "weight":
-                p.precision.add(exp.precision.replace("-block", "").replace("-official", "")
-                                if exp.precision != "bf16" else _precision_of(exp.dtypes[0]))
+                p.precision.add(
+                    exp.precision.replace("-block", "").replace("-official", "")
+                    if exp.precision != "bf16"
+                    else _precision_of(exp.dtypes[0])
+                )
     return WeightTable(source=source, target=tables[False], mtp=tables[True])
 
 
@@ -247,14 +259,18 @@ def load_weight_table(model: str) -> WeightTable | None:
         if any(path.glob("*.safetensors")):
             from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
 
-            return weight_table(spec, reader=CheckpointReader(path),
-                                source=f"{path}: safetensors headers + config.json")
-        return weight_table(spec, storage=storage_from_spec(spec),
-                            source=f"{path / 'config.json'} (no weights: layout from its quantization_config)")
+            return weight_table(
+                spec, reader=CheckpointReader(path), source=f"{path}: safetensors headers + config.json"
+            )
+        return weight_table(
+            spec,
+            storage=storage_from_spec(spec),
+            source=f"{path / 'config.json'} (no weights: layout from its quantization_config)",
+        )
     return known_weight_table(model)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def known_weight_table(repo_id: str) -> WeightTable | None:
     """The table of a published checkpoint, built once per process (~1 s for Pro's 70k tensors); the cached
     table is shared, and nothing mutates a table after :func:`weight_table` returns it."""
@@ -264,6 +280,10 @@ def known_weight_table(repo_id: str) -> WeightTable | None:
     if known is None:
         return None
     spec = DeepseekV4Spec.from_dict(known.config, source=f"{known.repo_id} (known config)")
-    storage = {"experts": known.experts, "linears": known.linears, "shared_experts": known.shared_experts,
-               "mtp_linears": known.mtp_linears}
+    storage = {
+        "experts": known.experts,
+        "linears": known.linears,
+        "shared_experts": known.shared_experts,
+        "mtp_linears": known.mtp_linears,
+    }
     return weight_table(spec, storage=storage, source=f"{known.repo_id}: known config; {known.source}")

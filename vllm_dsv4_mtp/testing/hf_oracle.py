@@ -91,8 +91,10 @@ def engine_prompt_logprobs_vs_hf(llm, prompts: list[list[int]], hf_model) -> dic
     compare them with HF's: :func:`compare_prompt_logprobs`'s report."""
     from vllm import SamplingParams
 
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False),
+    )
     return compare_prompt_logprobs(outs, prompts, hf_model)
 
 
@@ -112,8 +114,12 @@ def compare_prompt_logprobs(outputs, prompts: list[list[int]], hf_model) -> dict
             top = min(entry.items(), key=lambda kv: kv[1].rank)[0]
             agree.append(top == int(ref[i - 1].argmax()))
     d = torch.tensor(diffs)
-    return {"max_abs": d.max().item(), "mean_abs": d.mean().item(),
-            "top1": sum(agree) / len(agree), "positions": len(agree)}
+    return {
+        "max_abs": d.max().item(),
+        "mean_abs": d.mean().item(),
+        "top1": sum(agree) / len(agree),
+        "positions": len(agree),
+    }
 
 
 @torch.no_grad()

@@ -52,8 +52,9 @@ def scale_head(ckpt: str | Path, factor: float) -> None:
     rewrite_tensors(ckpt, lambda name, t: t.float() * factor if name == "head.weight" else None)
 
 
-def make_permutation_model(ckpt: str | Path, *, seed: int = 0, alpha: float = 3.0,
-                           agreeing_mtp: bool = True) -> list[int]:
+def make_permutation_model(
+    ckpt: str | Path, *, seed: int = 0, alpha: float = 3.0, agreeing_mtp: bool = True
+) -> list[int]:
     """Rewrite a BF16 tiny checkpoint in place into the permutation model; returns ``perm`` (``perm[t]`` is the
     target's next token after ``t``)."""
     import json
@@ -81,7 +82,8 @@ def make_permutation_model(ckpt: str | Path, *, seed: int = 0, alpha: float = 3.
             return None
         leaf = name.split(".", 2)[-1] if in_mtp else name
         if name.endswith((".attn.wo_b.weight", ".shared_experts.w2.weight")) or (
-                ".ffn.experts." in name and name.endswith(".w2.weight")):
+            ".ffn.experts." in name and name.endswith(".w2.weight")
+        ):
             return torch.zeros_like(t, dtype=torch.float32)
         if in_mtp and leaf == "h_proj.weight":
             return torch.zeros_like(t, dtype=torch.float32)
@@ -104,7 +106,6 @@ def permutation_chain(perm: list[int], start: int, n: int) -> list[int]:
     return out
 
 
-
 def engage_mtp(ckpt: str | Path, *, preact_std: float = 12.0) -> float:
     """Rewrite a BF16 tiny checkpoint's MTP experts in place so that their SwiGLU clamp engages.
 
@@ -124,8 +125,11 @@ def engage_mtp(ckpt: str | Path, *, preact_std: float = 12.0) -> float:
     norms = []
     for f in sorted(Path(ckpt).glob("*.safetensors")):
         with safe_open(str(f), "pt") as h:
-            norms += [h.get_tensor(n).float().norm(dim=1).mean().item() for n in h.keys()
-                      if n.startswith("mtp.") and ".ffn." in n and n.endswith((".w1.weight", ".w3.weight"))]
+            norms += [
+                h.get_tensor(n).float().norm(dim=1).mean().item()
+                for n in h.keys()
+                if n.startswith("mtp.") and ".ffn." in n and n.endswith((".w1.weight", ".w3.weight"))
+            ]
     if not norms:
         raise ValueError(f"{ckpt}: no MTP expert weights")
     gain = preact_std / (sum(norms) / len(norms))
@@ -177,10 +181,12 @@ def mtp_activity(ref, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.
     def on_block(module, args, kwargs):
         out["input"] = (args[0] if args else kwargs["hidden_states"]).float().pow(2).mean().sqrt().item()
 
-    handles = [block.mlp.experts.register_forward_hook(on_experts),
-               block.mlp.shared_experts.register_forward_hook(on_shared),
-               block.self_attn.register_forward_hook(on_attn, with_kwargs=True),
-               block.register_forward_pre_hook(on_block, with_kwargs=True)]
+    handles = [
+        block.mlp.experts.register_forward_hook(on_experts),
+        block.mlp.shared_experts.register_forward_hook(on_shared),
+        block.self_attn.register_forward_hook(on_attn, with_kwargs=True),
+        block.register_forward_pre_hook(on_block, with_kwargs=True),
+    ]
     try:
         with torch.no_grad():
             ref(hidden, ids, positions)

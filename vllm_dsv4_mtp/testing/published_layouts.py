@@ -40,17 +40,35 @@ from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader, CheckpointWriter
 from vllm_dsv4_mtp.formats.fp8 import quantize_block_fp8
 from vllm_dsv4_mtp.formats.quark_config import fp8_block_layer_config, mxfp4_experts_config, mxfp4_layer_config
 
-OFFICIAL_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+OFFICIAL_QUANTIZATION_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128],
+}
 
 # storage per (where, kind): "fp8.scale" / "fp8.weight_scale" (FP8 block), "fp4.scale" (I8 + F8_E8M0 .scale),
 # "mxfp4" (U8 + U8 .weight_scale), "bf16"
-_OFFICIAL = {"attention": "fp8.scale", "indexer": "fp8.scale", "shared_experts": "fp8.scale",
-             "mtp_proj": "fp8.scale", "routed_experts": "fp4.scale"}
-_AMD_MAIN = {"attention": "fp8.weight_scale", "indexer": "fp8.weight_scale", "shared_experts": "mxfp4",
-             "routed_experts": "mxfp4"}
-_AMD_MTP = {"attention": "fp8.weight_scale", "mtp_proj": "fp8.weight_scale", "shared_experts": "fp8.weight_scale",
-            "routed_experts": "mxfp4"}
+_OFFICIAL = {
+    "attention": "fp8.scale",
+    "indexer": "fp8.scale",
+    "shared_experts": "fp8.scale",
+    "mtp_proj": "fp8.scale",
+    "routed_experts": "fp4.scale",
+}
+_AMD_MAIN = {
+    "attention": "fp8.weight_scale",
+    "indexer": "fp8.weight_scale",
+    "shared_experts": "mxfp4",
+    "routed_experts": "mxfp4",
+}
+_AMD_MTP = {
+    "attention": "fp8.weight_scale",
+    "mtp_proj": "fp8.weight_scale",
+    "shared_experts": "fp8.weight_scale",
+    "routed_experts": "mxfp4",
+}
 LAYOUTS = {
     "official": (_OFFICIAL, _OFFICIAL),
     "amd": (_AMD_MAIN, _AMD_MTP),
@@ -70,9 +88,14 @@ def amd_quark_config(spec: DeepseekV4Spec, mtp: str = "amd", mtp_exclude: str = 
     layers = {rf"re:layers\.\d+\.attn\.{_FP8_PROJ}$": fp8, r"re:layers\.\d+\.attn\.indexer\.wq_b$": fp8}
     exclude = ["embed", "head", r"re:.*\.ffn\.gate$", r"re:.*\.compressor\..*", r"re:.*\.indexer\.weights_proj$"]
     if mtp == "amd":
-        layers.update({rf"re:mtp\.\d+\.attn\.{_FP8_PROJ}$": fp8, r"re:mtp\.\d+\.[eh]_proj$": fp8,
-                       r"re:mtp\.\d+\.ffn\.experts\.\d+\.w[123]$": mxfp4_layer_config(),
-                       r"re:mtp\.\d+\.ffn\.shared_experts\.w[123]$": fp8})
+        layers.update(
+            {
+                rf"re:mtp\.\d+\.attn\.{_FP8_PROJ}$": fp8,
+                r"re:mtp\.\d+\.[eh]_proj$": fp8,
+                r"re:mtp\.\d+\.ffn\.experts\.\d+\.w[123]$": mxfp4_layer_config(),
+                r"re:mtp\.\d+\.ffn\.shared_experts\.w[123]$": fp8,
+            }
+        )
     elif mtp_exclude == "pattern":
         exclude.append(r"re:mtp\..*")
     else:
@@ -93,8 +116,9 @@ def _encode(name: str, w: torch.Tensor, storage: str) -> dict[str, torch.Tensor]
     return {name: packed, f"{base}.weight_scale": scales}
 
 
-def build_published(out: str | Path, layout: str, *, seed: int = 0, config: dict[str, Any] | None = None,
-                    mtp_exclude: str = "pattern") -> Path:
+def build_published(
+    out: str | Path, layout: str, *, seed: int = 0, config: dict[str, Any] | None = None, mtp_exclude: str = "pattern"
+) -> Path:
     """Write a tiny checkpoint in ``layout`` (a key of :data:`LAYOUTS`) to ``out``; returns ``Path(out)``."""
     from vllm_dsv4_mtp.tools.tiny import build_tiny_checkpoint, tiny_config
 

@@ -24,7 +24,6 @@ def release_source(version: str) -> Path:
     return PACKAGE_ROOT.parent / ".cache" / f"vllm-{version}"
 
 
-
 @dataclass(frozen=True)
 class VllmImport:
     """``from <module> import <name>`` in a plugin file (``name`` None for ``import <module>``)."""
@@ -45,13 +44,22 @@ def plugin_vllm_imports(root: Path = PACKAGE_ROOT) -> list[VllmImport]:
         guarded = _import_guarded(tree)
         for node in ast.walk(tree):
             opt = id(node) in guarded
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and (
-                    node.module == "vllm" or node.module.startswith("vllm.")):
-                out += [VllmImport(str(f.relative_to(root.parent)), node.lineno, node.module, a.name, opt)
-                        for a in node.names]
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.level == 0
+                and (node.module == "vllm" or node.module.startswith("vllm."))
+            ):
+                out += [
+                    VllmImport(str(f.relative_to(root.parent)), node.lineno, node.module, a.name, opt)
+                    for a in node.names
+                ]
             elif isinstance(node, ast.Import):
-                out += [VllmImport(str(f.relative_to(root.parent)), node.lineno, a.name, None, opt)
-                        for a in node.names if a.name == "vllm" or a.name.startswith("vllm.")]
+                out += [
+                    VllmImport(str(f.relative_to(root.parent)), node.lineno, a.name, None, opt)
+                    for a in node.names
+                    if a.name == "vllm" or a.name.startswith("vllm.")
+                ]
     return out
 
 
@@ -61,8 +69,9 @@ def _import_guarded(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.Try):
             continue
-        caught = {n.id for h in node.handlers if h.type is not None for n in ast.walk(h.type)
-                  if isinstance(n, ast.Name)}
+        caught = {
+            n.id for h in node.handlers if h.type is not None for n in ast.walk(h.type) if isinstance(n, ast.Name)
+        }
         if caught & {"ImportError", "ModuleNotFoundError"}:
             out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     return out
@@ -110,8 +119,9 @@ def _defined_names(f: Path, _seen: frozenset = frozenset()) -> set[str]:
                     for n in ast.walk(t):
                         if isinstance(n, ast.Name):
                             names.add(n.id)
-                if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
-                                                        for t in node.targets):
+                if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+                ):
                     if isinstance(node.value, (ast.List, ast.Tuple)):
                         names.update(e.value for e in node.value.elts if isinstance(e, ast.Constant))
             elif isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
@@ -125,6 +135,7 @@ def _defined_names(f: Path, _seen: frozenset = frozenset()) -> set[str]:
                 visit(getattr(node, "orelse", []))
                 for h in getattr(node, "handlers", []):
                     visit(h.body)
+
     visit(tree.body)
     return names
 

@@ -55,8 +55,14 @@ def _fmt(shape) -> str:
 
 
 class _Inspector:
-    def __init__(self, reader: CheckpointReader, spec: DeepseekV4Spec, report: InspectReport,
-                 allow_quantized_mtp: bool, for_mtp: bool = False):
+    def __init__(
+        self,
+        reader: CheckpointReader,
+        spec: DeepseekV4Spec,
+        report: InspectReport,
+        allow_quantized_mtp: bool,
+        for_mtp: bool = False,
+    ):
         self.r = reader
         self.spec = spec
         self.report = report
@@ -86,10 +92,12 @@ class _Inspector:
             self.record(slot, info.dtype.lower(), [slot.name])
             return
         if precision != "bf16" and precision not in slot.quantizable:
-            self.problem("precision", slot.name,
-                         f"{slot.name}: stored {precision}, which is not supported for "
-                         f"{KIND_LABELS[slot.kind]} (expected bf16"
-                         + "".join(f" or {p}" for p in slot.quantizable) + ")")
+            self.problem(
+                "precision",
+                slot.name,
+                f"{slot.name}: stored {precision}, which is not supported for "
+                f"{KIND_LABELS[slot.kind]} (expected bf16" + "".join(f" or {p}" for p in slot.quantizable) + ")",
+            )
         self.stored_precision[slot.name] = precision
         stored = [slot.name]
         if precision in ("bf16", "fp8-block"):
@@ -98,8 +106,11 @@ class _Inspector:
             want = packed_fp4_shape(slot.shape)
         if info.shape != want:
             what = "" if want == slot.shape else f" (packed [out, in/2] of {_fmt(slot.shape)})"
-            self.problem("shape", slot.name,
-                         f"{slot.name}: shape {_fmt(info.shape)}, expected {_fmt(want)}{what} for {precision}")
+            self.problem(
+                "shape",
+                slot.name,
+                f"{slot.name}: shape {_fmt(info.shape)}, expected {_fmt(want)}{what} for {precision}",
+            )
         if precision != "bf16":
             s = self.check_scale(slot, precision)
             if s:
@@ -113,14 +124,16 @@ class _Inspector:
             candidates.reverse()
         present = [c for c in candidates if c in self.r]
         if not present:
-            self.problem("scale-missing", candidates[0],
-                         f"{candidates[0]}: missing: {slot.name} is stored {precision} and needs its scale "
-                         f"(neither {candidates[0]} nor {candidates[1]} is stored)")
+            self.problem(
+                "scale-missing",
+                candidates[0],
+                f"{candidates[0]}: missing: {slot.name} is stored {precision} and needs its scale "
+                f"(neither {candidates[0]} nor {candidates[1]} is stored)",
+            )
             return None
         name = present[0]
         if len(present) > 1:
-            self.problem("unexpected", present[1],
-                         f"{present[1]}: second scale for {slot.name} (already has {name})")
+            self.problem("unexpected", present[1], f"{present[1]}: second scale for {slot.name} (already has {name})")
             self.claimed.add(present[1])
         info = self.r.info(name)
         if precision == "fp8-block":
@@ -129,11 +142,18 @@ class _Inspector:
             shape = mx_scale_shape(slot.shape)
             dtypes = MXFP4_SCALE if precision == "mxfp4" else FP4_OFFICIAL_SCALE + ("U8",)
         if info.shape != shape:
-            self.problem("scale-shape", name, f"{name}: shape {_fmt(info.shape)}, expected {_fmt(shape)} "
-                         f"({precision} scale of {slot.name} {_fmt(slot.shape)})")
+            self.problem(
+                "scale-shape",
+                name,
+                f"{name}: shape {_fmt(info.shape)}, expected {_fmt(shape)} "
+                f"({precision} scale of {slot.name} {_fmt(slot.shape)})",
+            )
         if info.dtype not in dtypes:
-            self.problem("scale-dtype", name, f"{name}: dtype {info.dtype}, expected {' or '.join(dtypes)} "
-                         f"({precision} scale of {slot.name})")
+            self.problem(
+                "scale-dtype",
+                name,
+                f"{name}: dtype {info.dtype}, expected {' or '.join(dtypes)} ({precision} scale of {slot.name})",
+            )
         self.claimed.add(name)
         return name
 
@@ -141,7 +161,8 @@ class _Inspector:
         self.claimed.update(stored)
         kinds = self.report.mtp_kinds if slot.is_mtp else self.report.kinds
         kinds.setdefault(slot.kind, KindSummary()).add(
-            precision, math.prod(slot.shape), len(stored), sum(self.r.info(n).nbytes for n in stored))
+            precision, math.prod(slot.shape), len(stored), sum(self.r.info(n).nbytes for n in stored)
+        )
 
     # ------------------------------------------------------------------ whole checkpoint
     def run(self) -> None:
@@ -168,13 +189,20 @@ class _Inspector:
         for name in self.r:
             if name not in self.claimed:
                 info = self.r.info(name)
-                self.problem("unexpected", name, f"{name}: unexpected tensor ({info.dtype} {_fmt(info.shape)}): "
-                             f"{self.unexpected_reason(name)}")
+                self.problem(
+                    "unexpected",
+                    name,
+                    f"{name}: unexpected tensor ({info.dtype} {_fmt(info.shape)}): {self.unexpected_reason(name)}",
+                )
 
     def missing(self, slot: WeightSlot) -> None:
-        self.problem("missing", slot.name,
-                     f"{slot.name}: missing (expected {' or '.join(slot.dtypes)} {_fmt(slot.shape)}"
-                     + (", or a quantized form" if slot.quantizable else "") + ")")
+        self.problem(
+            "missing",
+            slot.name,
+            f"{slot.name}: missing (expected {' or '.join(slot.dtypes)} {_fmt(slot.shape)}"
+            + (", or a quantized form" if slot.quantizable else "")
+            + ")",
+        )
 
     def check_mtp(self, mtp_missing: dict[str, list[WeightSlot]], mtp_total: Counter) -> None:
         spec, rep = self.spec, self.report
@@ -182,20 +210,32 @@ class _Inspector:
         if spec.num_nextn_predict_layers == 0:
             cfg = self.r.path / "config.json"
             if self.for_mtp:
-                self.problem("no-mtp", None, f"{cfg}: num_nextn_predict_layers = 0: the checkpoint has no MTP layer, "
-                             f"so it cannot be served with speculative_config method 'mtp' (vLLM 0.32 would stop "
-                             f"with 'ZeroDivisionError: integer modulo by zero'); serve it without a speculative "
-                             f"config")
+                self.problem(
+                    "no-mtp",
+                    None,
+                    f"{cfg}: num_nextn_predict_layers = 0: the checkpoint has no MTP layer, "
+                    f"so it cannot be served with speculative_config method 'mtp' (vLLM 0.32 would stop "
+                    f"with 'ZeroDivisionError: integer modulo by zero'); serve it without a speculative "
+                    f"config",
+                )
             else:
-                self.problem("no-mtp", None, f"{cfg}: num_nextn_predict_layers = 0: the checkpoint declares no MTP "
-                             f"layer, so MTP speculative decoding is unavailable", "warning")
+                self.problem(
+                    "no-mtp",
+                    None,
+                    f"{cfg}: num_nextn_predict_layers = 0: the checkpoint declares no MTP "
+                    f"layer, so MTP speculative decoding is unavailable",
+                    "warning",
+                )
             return
         for layer, total in mtp_total.items():
             missing = mtp_missing.get(layer, [])
             if len(missing) == total:
-                self.problem("mtp-absent", layer,
-                             f"{layer}: MTP layer absent: config.json declares num_nextn_predict_layers = "
-                             f"{spec.num_nextn_predict_layers} but no {layer}.* tensor is stored")
+                self.problem(
+                    "mtp-absent",
+                    layer,
+                    f"{layer}: MTP layer absent: config.json declares num_nextn_predict_layers = "
+                    f"{spec.num_nextn_predict_layers} but no {layer}.* tensor is stored",
+                )
                 continue
             rep.mtp_layers_present.append(layer)
             for slot in missing:
@@ -203,15 +243,22 @@ class _Inspector:
         quantized = {n: p for n, p in self.stored_precision.items() if n.startswith("mtp.") and p in _QUANTIZED}
         if quantized and self.allow_quantized_mtp:  # the draft's default: decoded exactly to BF16 at load
             kinds = ", ".join(sorted(set(quantized.values())))
-            self.problem("mtp-quantized", None,
-                         f"{len(quantized)} MTP tensor(s) stored quantized ({kinds}); the plugin's BF16 MTP draft "
-                         "decodes them exactly to BF16 at load (VLLM_DSV4_MTP_QUANTIZED_MTP=refuse would refuse "
-                         "them)", "warning")
+            self.problem(
+                "mtp-quantized",
+                None,
+                f"{len(quantized)} MTP tensor(s) stored quantized ({kinds}); the plugin's BF16 MTP draft "
+                "decodes them exactly to BF16 at load (VLLM_DSV4_MTP_QUANTIZED_MTP=refuse would refuse "
+                "them)",
+                "warning",
+            )
         elif quantized:
             for name, precision in quantized.items():
-                self.problem("mtp-quantized", name,
-                             f"{name}: MTP tensor stored {precision}, refused by VLLM_DSV4_MTP_QUANTIZED_MTP=refuse "
-                             "(the draft runs in BF16; unset it to decode the MTP layer at load)")
+                self.problem(
+                    "mtp-quantized",
+                    name,
+                    f"{name}: MTP tensor stored {precision}, refused by VLLM_DSV4_MTP_QUANTIZED_MTP=refuse "
+                    "(the draft runs in BF16; unset it to decode the MTP layer at load)",
+                )
 
     def check_quant_config(self, slots: dict[str, WeightSlot]) -> None:
         """Does config.json's ``quantization_config`` describe what is stored? (none / official fp8 / Quark)"""
@@ -221,8 +268,7 @@ class _Inspector:
         if qc is None:
             rep.quantization = "none"
             for name, p in quantized.items():
-                self.problem("quant-config", name,
-                             f"{name}: stored {p} but config.json has no quantization_config")
+                self.problem("quant-config", name, f"{name}: stored {p} but config.json has no quantization_config")
             return
         method = qc.get("quant_method")
         if method == "fp8":
@@ -231,8 +277,12 @@ class _Inspector:
             self.check_quark_config(qc, quantized, slots)
         else:
             rep.quantization = f"unsupported ({method!r})"
-            self.problem("quant-config", None, f"config.json: quantization_config.quant_method {method!r} is not "
-                         f"supported (expected 'quark' or 'fp8')")
+            self.problem(
+                "quant-config",
+                None,
+                f"config.json: quantization_config.quant_method {method!r} is not "
+                f"supported (expected 'quark' or 'fp8')",
+            )
 
     def check_fp8_config(self, quantized: dict[str, str]) -> None:
         """The official release's ``quant_method: fp8``: FP8 blocks, plus official FP4 experts when
@@ -240,14 +290,20 @@ class _Inspector:
         self.report.quantization = "fp8 (official block FP8)"
         for name, p in quantized.items():
             if p == "mxfp4":
-                self.problem("quant-config", name, f"{name}: stored mxfp4 (Quark layout) but "
-                             f"quantization_config.quant_method is 'fp8', not 'quark'")
+                self.problem(
+                    "quant-config",
+                    name,
+                    f"{name}: stored mxfp4 (Quark layout) but quantization_config.quant_method is 'fp8', not 'quark'",
+                )
             elif p == "fp4-official" and self.spec.official_expert_dtype != "fp4":
-                self.problem("quant-config", name, f"{name}: stored fp4-official but config.json "
-                             f"expert_dtype is {self.spec.expert_dtype!r}, not 'fp4' (absent means fp4)")
+                self.problem(
+                    "quant-config",
+                    name,
+                    f"{name}: stored fp4-official but config.json "
+                    f"expert_dtype is {self.spec.expert_dtype!r}, not 'fp4' (absent means fp4)",
+                )
 
-    def check_quark_config(self, qc: dict[str, Any], quantized: dict[str, str],
-                           slots: dict[str, WeightSlot]) -> None:
+    def check_quark_config(self, qc: dict[str, Any], quantized: dict[str, str], slots: dict[str, WeightSlot]) -> None:
         """Every stored linear (embedding and head aside) against the precision the Quark config declares."""
         from vllm_dsv4_mtp.formats.quark_config import QuarkQuantConfig
 
@@ -284,12 +340,16 @@ class _Inspector:
         if excluded_mtp:
             # the engine serves this: the plugin's draft never asks quantization_config about the MTP layer; it
             # takes the format from the stored weight and its scale and decodes it exactly to BF16
-            self.problem("quant-config", None,
-                         f"{len(excluded_mtp)} MTP tensor(s) stored mxfp4 although quantization_config excludes "
-                         f"them (e.g. '{excluded_mtp[0]}'): the plugin's BF16 MTP draft takes the format from the "
-                         f"stored tensors, not from quantization_config, and decodes them exactly to BF16, so the "
-                         f"engine serves it; vLLM's own quantized MTP (a stored-precision draft) would read them "
-                         f"as unquantized", "warning")
+            self.problem(
+                "quant-config",
+                None,
+                f"{len(excluded_mtp)} MTP tensor(s) stored mxfp4 although quantization_config excludes "
+                f"them (e.g. '{excluded_mtp[0]}'): the plugin's BF16 MTP draft takes the format from the "
+                f"stored tensors, not from quantization_config, and decodes them exactly to BF16, so the "
+                f"engine serves it; vLLM's own quantized MTP (a stored-precision draft) would read them "
+                f"as unquantized",
+                "warning",
+            )
 
     def unexpected_reason(self, name: str) -> str:
         spec = self.spec
@@ -331,8 +391,9 @@ def _quark_mismatch(name: str, module: str, stored: str, excluded: bool, wanted:
     if stored not in _QUANTIZED:
         if wanted is None:
             return None
-        return (f"{name}: stored {stored} but quantization_config quantizes '{module}' as {wanted} "
-                f"(it is not in exclude)")
+        return (
+            f"{name}: stored {stored} but quantization_config quantizes '{module}' as {wanted} (it is not in exclude)"
+        )
     if excluded:
         # Quark's exports keep excluded layers in the source checkpoint's format (AMD's MXFP4 export: its MTP
         # layer as the official release stores it, FP8 blocks and FP4 experts); only Quark's own MXFP4 is wrong
@@ -340,8 +401,10 @@ def _quark_mismatch(name: str, module: str, stored: str, excluded: bool, wanted:
             return None
         return f"{name}: stored {stored} but quantization_config excludes '{module}'"
     if stored == "fp4-official":
-        return (f"{name}: stored in the official FP4 layout (int8 + .scale) but quantization_config quantizes "
-                f"'{module}' as {wanted}")
+        return (
+            f"{name}: stored in the official FP4 layout (int8 + .scale) but quantization_config quantizes "
+            f"'{module}' as {wanted}"
+        )
     if wanted is None:
         return f"{name}: stored {stored} but no quantization_config spec covers '{module}'"
     if wanted != stored:
@@ -349,8 +412,9 @@ def _quark_mismatch(name: str, module: str, stored: str, excluded: bool, wanted:
     return None
 
 
-def inspect_checkpoint(path: str | Path, *, allow_quantized_mtp: bool | None = None, mtp: bool = False,
-                       scan_values: bool = False) -> InspectReport:
+def inspect_checkpoint(
+    path: str | Path, *, allow_quantized_mtp: bool | None = None, mtp: bool = False, scan_values: bool = False
+) -> InspectReport:
     """Inspect a checkpoint directory. Never raises for a bad checkpoint: problems are reported.
 
     Headers only, unless ``scan_values`` (read every tensor for NaN / Inf: the whole checkpoint's bytes once,
@@ -378,8 +442,9 @@ def inspect_checkpoint(path: str | Path, *, allow_quantized_mtp: bool | None = N
     except ConfigError as e:
         report.problems.append(Problem("error", "config", None, str(e)))
         return report
-    sched = Counter("SWA" if spec.compress_ratio(i) == 0 else f"C{spec.compress_ratio(i)}"
-                    for i in range(spec.num_hidden_layers))
+    sched = Counter(
+        "SWA" if spec.compress_ratio(i) == 0 else f"C{spec.compress_ratio(i)}" for i in range(spec.num_hidden_layers)
+    )
     report.config = {
         "num_hidden_layers": spec.num_hidden_layers,
         "schedule": ", ".join(f"{k} {v}" for k, v in sorted(sched.items(), key=lambda kv: kv[0])),
@@ -422,6 +487,7 @@ def scan_nonfinite(reader: CheckpointReader, report: InspectReport) -> None:
             continue
         found = stored_nonfinite(name, info.dtype, torch.frombuffer(reader.raw_buffer(name), dtype=torch.uint8))
         if found:
-            report.problems.append(Problem("error", "nonfinite", name, f"{name}: non-finite values ({found}) in "
-                                           f"{info.file.name}"))
+            report.problems.append(
+                Problem("error", "nonfinite", name, f"{name}: non-finite values ({found}) in {info.file.name}")
+            )
     report.values_scanned = True

@@ -21,6 +21,7 @@ KIND_LABELS = {
     "mtp_proj": "MTP e_proj / h_proj",
 }
 
+
 @dataclass(frozen=True)
 class Problem:
     """One finding. ``message`` starts with the tensor (or file / layer) it is about."""
@@ -55,8 +56,13 @@ class KindSummary:
         return ", ".join(p for p, _ in sorted(self.precisions.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"precision": self.precision, "precisions": dict(self.precisions), "tensors": self.tensors,
-                "parameters": self.parameters, "bytes": self.nbytes}
+        return {
+            "precision": self.precision,
+            "precisions": dict(self.precisions),
+            "tensors": self.tensors,
+            "parameters": self.parameters,
+            "bytes": self.nbytes,
+        }
 
 
 @dataclass
@@ -104,7 +110,7 @@ class InspectReport:
         if not self.mtp_layers_present:
             return "absent"
         lin = Counter()
-        for kind, s in self.mtp_kinds.items():
+        for s in self.mtp_kinds.values():
             for p, n in s.precisions.items():
                 if p not in ("f32", "int"):
                     lin[p] += n
@@ -148,12 +154,16 @@ class InspectReport:
         lines = [f"DeepSeek-V4 checkpoint {self.path}"]
         c = self.config
         if c:
-            lines.append(f"  config: {c['num_hidden_layers']} layers ({c['schedule']}), hidden {c['hidden_size']}, "
-                         f"{c['n_routed_experts']} routed experts top-{c['num_experts_per_tok']}, "
-                         f"vocab {c['vocab_size']}, MTP layers {c['num_nextn_predict_layers']}")
+            lines.append(
+                f"  config: {c['num_hidden_layers']} layers ({c['schedule']}), hidden {c['hidden_size']}, "
+                f"{c['n_routed_experts']} routed experts top-{c['num_experts_per_tok']}, "
+                f"vocab {c['vocab_size']}, MTP layers {c['num_nextn_predict_layers']}"
+            )
         lines.append(f"  quantization_config: {self.quantization}")
-        lines.append(f"  stored: {self.n_tensors} tensors in {self.n_shards} shard(s), "
-                     f"{self.nbytes / 2**20:.1f} MiB; {self.parameters:,} parameters")
+        lines.append(
+            f"  stored: {self.n_tensors} tensors in {self.n_shards} shard(s), "
+            f"{self.nbytes / 2**20:.1f} MiB; {self.parameters:,} parameters"
+        )
         if self.kinds or self.mtp_kinds:
             lines.append("")
             lines.append(f"  {'module kind':<22} {'precision':<28} {'tensors':>8} {'parameters':>15}")
@@ -169,10 +179,18 @@ class InspectReport:
         if self.mtp_layers_declared == 0:
             lines.append("  MTP: none declared")
         else:
-            lines.append(f"  MTP: {self.mtp_precision}"
-                         + (f" ({', '.join(self.mtp_layers_present)})" if self.mtp_layers_present else ""))
-        lines.append("  values: " + ("scanned for NaN / Inf" if self.values_scanned else
-                                     "not read (headers only; --scan-values reads every tensor for NaN / Inf)"))
+            lines.append(
+                f"  MTP: {self.mtp_precision}"
+                + (f" ({', '.join(self.mtp_layers_present)})" if self.mtp_layers_present else "")
+            )
+        lines.append(
+            "  values: "
+            + (
+                "scanned for NaN / Inf"
+                if self.values_scanned
+                else "not read (headers only; --scan-values reads every tensor for NaN / Inf)"
+            )
+        )
         lines.append(f"  problems: {len(self.errors)} error(s), {len(self.warnings)} warning(s)")
         shown: Counter = Counter()
         hidden: Counter = Counter()

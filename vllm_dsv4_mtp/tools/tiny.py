@@ -162,9 +162,12 @@ def _quark_exclude(spec, slots, expert_precision: str, shared_precision: str) ->
             continue
         if s.is_mtp:
             out.append(s.module)
-        elif s.kind == "routed_experts" and expert_precision == "mxfp4":
-            continue
-        elif s.kind == "shared_experts" and shared_precision == "mxfp4":
+        elif (
+            s.kind == "routed_experts"
+            and expert_precision == "mxfp4"
+            or s.kind == "shared_experts"
+            and shared_precision == "mxfp4"
+        ):
             continue
         else:
             out.append(s.module)
@@ -192,8 +195,10 @@ def _check_layout(experts: str, linears: str, shared_experts: str | None) -> str
     if linears not in ("bf16", "fp8"):
         raise ValueError(f"linears must be 'bf16' or 'fp8', got {linears!r}")
     if linears == "fp8" and experts == "mxfp4":
-        raise ValueError("linears='fp8' with experts='mxfp4' (a Quark config with FP8 layer entries) is not "
-                         "built by the tiny builder; use linears='bf16' with Quark MXFP4 experts")
+        raise ValueError(
+            "linears='fp8' with experts='mxfp4' (a Quark config with FP8 layer entries) is not "
+            "built by the tiny builder; use linears='bf16' with Quark MXFP4 experts"
+        )
     shared = shared_experts or linears
     if shared not in ("bf16", "fp8", "mxfp4") or (shared == "mxfp4" and experts != "mxfp4"):
         raise ValueError(f"shared_experts must be 'bf16', 'fp8', or 'mxfp4' with experts='mxfp4', got {shared!r}")
@@ -211,8 +216,13 @@ def _with_quantization_config(cfg: dict[str, Any], spec, slots, storages, expert
 
         cfg["quantization_config"] = mxfp4_experts_config(exclude=_quark_exclude(spec, slots, experts, shared))
     elif experts == "fp4-official" or "fp8-block" in storages.values():  # the official release's config
-        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                      "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": [128, 128],
+            "activation_scheme": "dynamic",
+        }
     if experts == "fp4-official":
         cfg["expert_dtype"] = "fp4"
     elif experts == "bf16":
@@ -279,7 +289,8 @@ def build_tiny_checkpoint(
                 w.add(n, t)
         w.write_config(cfg)
     (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": spec.bos_token_id, "eos_token_id": spec.eos_token_id}, indent=2) + "\n")
+        json.dumps({"bos_token_id": spec.bos_token_id, "eos_token_id": spec.eos_token_id}, indent=2) + "\n"
+    )
     if tok is not None:
         from vllm_dsv4_mtp.tools.tiny_tokenizer import save_tokenizer
 
@@ -303,8 +314,10 @@ def _store(slot, value, precision: str) -> dict[str, Any]:
         if precision == "mxfp4":  # Quark: uint8 codes + uint8 E8M0 .weight_scale
             return {slot.name: packed, scale_name(slot.name, "mxfp4"): scales}
         # official release: int8 packed + F8_E8M0 .scale (same bytes)
-        return {slot.name: packed.view(torch.int8),
-                scale_name(slot.name, "fp4-official"): scales.view(torch.float8_e8m0fnu)}
+        return {
+            slot.name: packed.view(torch.int8),
+            scale_name(slot.name, "fp4-official"): scales.view(torch.float8_e8m0fnu),
+        }
     if precision == "fp8-block":
         from vllm_dsv4_mtp.formats.fp8 import quantize_block_fp8
 

@@ -41,8 +41,10 @@ def builtin_text() -> str:
         for b in range(1, 40, 3):
             name, item = _NAMES[k % len(_NAMES)], _ITEMS[(k // 3) % len(_ITEMS)]
             k += 1
-            lines.append(f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now? "
-                         f"{a} + {b} = {a + b}. #### {a + b}\n")
+            lines.append(
+                f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now? "
+                f"{a} + {b} = {a + b}. #### {a + b}\n"
+            )
             if a > b:
                 lines.append(f"{name} gives away {b} of {a} {item}: {a} - {b} = {a - b} left. #### {a - b}\n")
             lines.append(f"{a} times {b} is {a * b}.\n")
@@ -60,8 +62,11 @@ def train_bpe(texts, vocab_size: int, *, split_digits: bool = False):
 
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r" ?[0-9]"), behavior="isolated"),
-                                                  byte_level]) if split_digits else byte_level)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r" ?[0-9]"), behavior="isolated"), byte_level])
+        if split_digits
+        else byte_level
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -71,7 +76,8 @@ def train_bpe(texts, vocab_size: int, *, split_digits: bool = False):
     )
     tok.train_from_iterator(texts, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
+    )
     return tok
 
 
@@ -79,12 +85,16 @@ def train_tokenizer(vocab_size: int):
     """The tiny checkpoints' tokenizer: :func:`train_bpe` on :func:`builtin_text`, exactly ``vocab_size`` tokens."""
     n_min = 256 + len(SPECIAL_TOKENS)
     if vocab_size < n_min:
-        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level BPE: need >= {n_min} "
-                         f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small for a byte-level BPE: need >= {n_min} "
+            f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
+        )
     tok = train_bpe(builtin_text().splitlines(keepends=True), vocab_size)
     if tok.get_vocab_size() != vocab_size:
-        raise ValueError(f"vocab_size {vocab_size} is too large for the tiny tokenizer: its built-in text yields "
-                         f"only {tok.get_vocab_size()} BPE tokens (choose vocab_size <= {tok.get_vocab_size()})")
+        raise ValueError(
+            f"vocab_size {vocab_size} is too large for the tiny tokenizer: its built-in text yields "
+            f"only {tok.get_vocab_size()} BPE tokens (choose vocab_size <= {tok.get_vocab_size()})"
+        )
     return tok
 
 

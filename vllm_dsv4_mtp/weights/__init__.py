@@ -1,1 +1,2 @@
-"""One checkpoint loader for target and draft: native tensor names -> parameters (``names``), the strict loader (``loader``)."""
+"""One checkpoint loader for target and draft: native tensor names -> parameters (``names``), the strict loader
+(``loader``)."""

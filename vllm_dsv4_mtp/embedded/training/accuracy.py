@@ -113,8 +113,12 @@ def mtp_agreement(model, mtp, tok, problems: list[dict], fewshot: list[dict], li
             ok1 = bool(d1[t] == seq[0, t + 2])
             a1 += ok1
             a12 += ok1 and bool(d2[t] == seq[0, t + 3])
-    return {"positions": n, "pos0": a1 / n, "pos1_given_pos0": a12 / max(a1, 1),
-            "expected_acceptance_length_k2": 1 + (a1 + a12) / n}
+    return {
+        "positions": n,
+        "pos0": a1 / n,
+        "pos1_given_pos0": a12 / max(a1, 1),
+        "expected_acceptance_length_k2": 1 + (a1 + a12) / n,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,8 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mtp-limit", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
-    ap.add_argument("--mxfp4-experts", type=Path, default=None, metavar="DIR",
-                    help="run the target with the routed experts decoded from this MXFP4 checkpoint")
+    ap.add_argument(
+        "--mxfp4-experts",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run the target with the routed experts decoded from this MXFP4 checkpoint",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, mtp, tok = load(args.ckpt)

@@ -1,6 +1,7 @@
 """Export the trained target + MTP layer as a native-name DeepSeek-V4 BF16 checkpoint.
 
-Layout = the DeepSeek release (https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash, its safetensors index) with BF16 where the release has FP8/FP4:
+Layout = the DeepSeek release (https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash, its safetensors index) with
+BF16 where the release has FP8/FP4:
 ``hc_*`` / ``attn_sink`` / ``ape`` / ``gate.bias`` F32, ``tid2eid`` int64, every other tensor BF16; the
 MTP layer under ``mtp.0.*`` (no embed/head of its own: it shares the target's). config.json in the HF
 DeepSeek-V4 style, plus the tokenizer.

@@ -33,6 +33,7 @@ from .. import data as gsm
 from .export import export_checkpoint
 from .recipe import MODEL_CONFIG, build_models
 
+
 class BiasBalancer:
     """DeepSeek's auxiliary-loss-free load balancing: after each step, every bias-routed gate's
     ``e_score_correction_bias`` moves by ``rate`` towards under-loaded experts (selection only; the
@@ -82,8 +83,17 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 def save_state(path: Path, model, mtp, opt, step: int, args) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "mtp": mtp.state_dict(), "opt": opt.state_dict(), "step": step,
-                "args": vars(args), "config": MODEL_CONFIG}, tmp)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "mtp": mtp.state_dict(),
+            "opt": opt.state_dict(),
+            "step": step,
+            "args": vars(args),
+            "config": MODEL_CONFIG,
+        },
+        tmp,
+    )
     tmp.replace(path)  # never leave a half-written state behind
 
 
@@ -118,8 +128,9 @@ def _optimizer(params: list, lr: float) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only."""
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
+    )
 
 
 def _resume(state_path: Path, model, mtp, opt) -> int:
@@ -139,7 +150,7 @@ def _losses(model, mtp, ids: torch.Tensor, mtp_steps: int) -> tuple[torch.Tensor
     mtp_losses = []
     for k, lg in enumerate(mtp.forward_steps(hidden, ids, mtp_steps), start=1):
         # step k at row t predicts ids[t+k+1]; the last row has no target
-        mtp_losses.append(F.cross_entropy(lg[:, :-1].flatten(0, 1), ids[:, k + 1:].flatten()))
+        mtp_losses.append(F.cross_entropy(lg[:, :-1].flatten(0, 1), ids[:, k + 1 :].flatten()))
     return loss_main, mtp_losses
 
 
@@ -165,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     stream = packed_sequences(tok, args.seed, args.seq_len + 1, args.n_problems)
     for _ in range(start * args.batch):  # same data order after a resume
         next(stream)
-    print(f"params {sum(p.numel() for p in params) / 1e6:.2f}M, steps {start}..{args.steps}, batch "
-          f"{args.batch}x{args.seq_len}", flush=True)
+    print(
+        f"params {sum(p.numel() for p in params) / 1e6:.2f}M, steps {start}..{args.steps}, batch "
+        f"{args.batch}x{args.seq_len}",
+        flush=True,
+    )
     model.train()
     mtp.train()
     t0, tokens = time.time(), 0
@@ -175,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         loss_main, mtp_losses = _losses(model, mtp, ids, args.mtp_steps)
-        loss = loss_main + args.mtp_weight * sum(l / (2 ** i) for i, l in enumerate(mtp_losses))
+        loss = loss_main + args.mtp_weight * sum(l / (2**i) for i, l in enumerate(mtp_losses))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -184,10 +198,20 @@ def main(argv: list[str] | None = None) -> int:
         tokens += ids.numel()
         if (step + 1) % args.log_every == 0 or step == start:
             dt = time.time() - t0
-            print(json.dumps({"step": step + 1, "loss": round(loss_main.item(), 4),
-                              "mtp": [round(l.item(), 4) for l in mtp_losses],
-                              "lr": round(opt.param_groups[0]["lr"], 6), "max_load": round(imbalance, 2),
-                              "tok_s": round(tokens / dt, 1), "elapsed_s": round(dt, 1)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "step": step + 1,
+                        "loss": round(loss_main.item(), 4),
+                        "mtp": [round(l.item(), 4) for l in mtp_losses],
+                        "lr": round(opt.param_groups[0]["lr"], 6),
+                        "max_load": round(imbalance, 2),
+                        "tok_s": round(tokens / dt, 1),
+                        "elapsed_s": round(dt, 1),
+                    }
+                ),
+                flush=True,
+            )
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             save_state(state_path, model, mtp, opt, step + 1, args)
     if not args.no_export:

@@ -114,3 +114,28 @@ def drafter(llm):
             "Runner V2) nor .drafter (V1): is speculative decoding on?"
         )
     return proposer.model
+
+
+def record_draft_calls(llm, prompts: list[list[int]], max_tokens: int = 2) -> tuple[list[dict], list]:
+    """Generate ``max_tokens`` greedy tokens per prompt on an in-process engine and record every call vLLM's
+    proposer makes to the draft: ``input_ids``, ``positions``, the ``hidden_states`` fed in and the state returned
+    (``out``). Returns the calls and vLLM's outputs."""
+    from vllm import SamplingParams
+
+    calls = []
+
+    def record(module, args, kwargs, out):
+        calls.append(
+            {k: kwargs[k].detach().clone() for k in ("input_ids", "positions", "hidden_states")}
+            | {"out": out.detach().clone()}
+        )
+
+    handle = drafter(llm).register_forward_hook(record, with_kwargs=True)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False),
+        )
+    finally:
+        handle.remove()
+    return calls, outs

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import random_prompts, sharpened_tiny
-from engines import drafter, vllm_engine
+from engines import drafter, record_draft_calls, vllm_engine
 
 pytestmark = pytest.mark.engine
 
@@ -42,26 +42,9 @@ def ckpt(tmp_path_factory):
 
 
 def _record(llm):
-    from vllm import SamplingParams
-
-    draft = drafter(llm)
-    calls = []
-
-    def record(module, args, kwargs, out):
-        calls.append(
-            {k: kwargs[k].detach().clone() for k in ("input_ids", "positions", "hidden_states")}
-            | {"out": out.detach().clone()}
-        )
-
     prompts = random_prompts(PROMPT_LENS, seed=7)
-    handle = draft.register_forward_hook(record, with_kwargs=True)
-    try:
-        llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=2, temperature=0.0, detokenize=False)
-        )
-    finally:
-        handle.remove()
-    return {"draft": draft, "calls": calls, "prompts": prompts}
+    calls, _ = record_draft_calls(llm, prompts)
+    return {"draft": drafter(llm), "calls": calls, "prompts": prompts}
 
 
 @pytest.fixture(scope="module")

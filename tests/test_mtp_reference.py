@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import random_prompts, sharpened_tiny
-from engines import drafter
+from engines import drafter, record_draft_calls
 
 pytestmark = pytest.mark.engine
 
@@ -40,8 +40,6 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run(ckpt, start_engine):
     """Generate 2 tokens per prompt with K = 3 and record the draft's first round."""
-    from vllm import SamplingParams
-
     # in-process: the test reads the drafter's inputs
     llm = start_engine(
         ckpt,
@@ -54,24 +52,9 @@ def run(ckpt, start_engine):
         seed=0,
         speculative_config={"method": "mtp", "num_speculative_tokens": K},
     )
-    draft = drafter(llm)
-    calls = []
-
-    def record(module, args, kwargs, out):
-        calls.append(
-            {k: kwargs[k].detach().clone() for k in ("input_ids", "positions", "hidden_states")}
-            | {"out": out.detach().clone()}
-        )
-
     prompts = random_prompts(PROMPT_LENS, seed=7)
-    handle = draft.register_forward_hook(record, with_kwargs=True)
-    try:
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=2, temperature=0.0, detokenize=False)
-        )
-    finally:
-        handle.remove()
-    return {"draft": draft, "calls": calls, "prompts": prompts, "outs": outs}
+    calls, outs = record_draft_calls(llm, prompts)
+    return {"draft": drafter(llm), "calls": calls, "prompts": prompts, "outs": outs}
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,10 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
                 }
             if case.get("load"):
                 reader = CheckpointReader(case["ckpt"])
-                model.load_weights((n, reader.get(n)) for n in reader.tensors)
+                names = reader.tensors
+                if case.get("ep_filter"):  # what vLLM's loader drops under --enable-ep-weight-filter
+                    names = ep_filtered(names, model, vc, rank)
+                model.load_weights((n, reader.get(n)) for n in names)
                 if not case.get("forward"):
                     torch.save(
                         {n: p.detach().clone() for n, p in model.named_parameters()},
@@ -166,6 +169,16 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
             os.environ.pop(k, None)
     result["logs"] = [m for m in lines.lines if m.startswith("vllm-dsv4-mtp")]
     return result
+
+
+def ep_filtered(names, model, vc, rank: int) -> list[str]:
+    """The checkpoint names vLLM's default loader passes on under ``--enable-ep-weight-filter``: its own
+    ``compute_local_expert_ids`` / ``should_skip_weight`` (linear placement, EP size = TP size here)."""
+    from vllm.model_executor.model_loader.ep_weight_filter import compute_local_expert_ids, should_skip_weight
+
+    world = vc.parallel_config.tensor_parallel_size
+    local = compute_local_expert_ids(model.config.n_routed_experts, world, rank)
+    return [n for n in names if not should_skip_weight(n, local)]
 
 
 def control(case: dict, vc, result: dict) -> dict:

@@ -385,7 +385,11 @@ def test_version_gate_passes_here_and_names_problems():
         ("0.31.9", False),
         ("0.33.0", True),
         ("0.33.0.dev1", True),
-        ("0.34.0", False),
+        ("0.33.1.dev57+g1234abc", True),
+        ("0.34.0", True),
+        ("0.34.1.dev12+gabc", True),
+        ("0.35.0", False),
+        ("0.35.0.dev1", False),
         ("1.0.0", False),
     ],
 )

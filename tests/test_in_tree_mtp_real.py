@@ -126,6 +126,17 @@ def load_cases(version: str, checkpoints: dict[str, Path]) -> list[dict]:
         ("mega-moe", {"moe_backend": "aiter_mega_moe"}),
     ):
         cases.append(dict(name=name, ckpt=official, tp=1, env=FSE_ON, engine=engine))
+    # expert parallelism with vLLM's weight filter: each rank gets only its experts' weights (their scales all)
+    cases.append(
+        dict(
+            name="ep-filter-amd-tp2",
+            ckpt=str(checkpoints["amd"]),
+            tp=2,
+            load=True,
+            ep_filter=True,
+            engine={"tensor_parallel_size": 2, "enable_expert_parallel": True, "enable_ep_weight_filter": True},
+        )
+    )
     # mega-MoE for the target, AITER for the draft through vLLM's own draft override (what the refusal advises)
     cases.append(
         dict(
@@ -492,3 +503,24 @@ def test_the_mi355_profiles_dry_run_command_constructs_on_this_release(real):
     # what the engine parser leaves to vLLM's API server
     server_only = {"--reasoning-parser", "--host", "--port", "--middleware", "--shutdown-timeout"}
     assert {u for u in res["unknown"] if u.startswith("--")} <= server_only, res["unknown"]
+
+
+def test_expert_parallel_with_the_weight_filter_loads_each_ranks_experts_exactly(real, checkpoints):
+    """``--enable-expert-parallel --enable-ep-weight-filter`` (TP 2): vLLM's loader drops the other rank's expert
+    weights before the plugin's loader sees them; each rank must load (not refuse) and hold its own experts whole,
+    exactly decoded, in vLLM's real routed-experts parameters."""
+    version, out, cases, results = real
+    native = decoded_mtp(checkpoints["amd"])
+    spec = DeepseekV4Spec.from_dir(checkpoints["amd"])
+    n_local = spec.n_routed_experts // 2
+    p = f"model.layers.{spec.num_hidden_layers}.mtp_block.ffn.experts.routed_experts."
+    _ok(results, "ep-filter-amd-tp2", 2)
+    for r in range(2):
+        got = torch.load(out / f"ep-filter-amd-tp2-rank{r}.pt")
+        w13, w2 = got[p + "w13_weight"], got[p + "w2_weight"]
+        assert w13.shape[0] == n_local, (version, w13.shape)
+        for i in range(n_local):
+            e = r * n_local + i  # vLLM's linear placement
+            want13 = torch.cat([native[f"mtp.0.ffn.experts.{e}.w1.weight"], native[f"mtp.0.ffn.experts.{e}.w3.weight"]])
+            assert torch.equal(unpadded(p + "w13_weight", w13[i : i + 1], want13[None])[0], want13), (version, r, e)
+            assert torch.equal(w2[i], native[f"mtp.0.ffn.experts.{e}.w2.weight"]), (version, r, e)

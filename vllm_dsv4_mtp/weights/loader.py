@@ -57,7 +57,7 @@ def expert_owner(model: nn.Module) -> Callable[[int], bool] | None:
     """``expert id -> held by this rank`` where expert parallelism splits the routed experts, else None.
 
     Read from the model's expert modules: the portable ``PortableExperts`` (``first_expert`` / ``local_experts``)
-    or vLLM's routed experts (its ``expert_map_manager``, which raises for an expert of another rank). With EPLB
+    or vLLM's routed experts (their ``expert_map_manager.is_local_expert``, vLLM 0.32-0.34). With EPLB
     vLLM may place any expert on any rank, so every expert is loaded everywhere (None)."""
     from vllm.config import get_current_vllm_config_or_none
 
@@ -72,17 +72,9 @@ def expert_owner(model: nn.Module) -> Callable[[int], bool] | None:
             return None
         manager = getattr(m, "expert_map_manager", None)
         if manager is not None:
-            if not getattr(m, "use_ep", False):
+            if not manager.use_ep:
                 return None
-
-            def held(e: int, manager=manager) -> bool:
-                try:
-                    manager.map_global_to_local(e)
-                except ValueError:
-                    return False
-                return True
-
-            return held
+            return lambda e, manager=manager: bool(manager.is_local_expert(e))
     return None
 
 

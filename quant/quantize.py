@@ -256,18 +256,24 @@ class _Converter:
         self.w.add(name, value.to(torch.bfloat16))
         self.report.mtp_dequantized.append(name)
 
-    def to_fp8_block(self, name: str, scale: str | None) -> None:
-        """MTP shared expert (``--mtp amd``) -> FP8 e4m3 128x128 blocks + E8M0 ``.weight_scale``: an FP8 source's
-        bytes kept (its scale renamed), a float one quantized (the smallest power-of-two scale >= amax/448)."""
+    def copy_fp8(self, name: str, scale: str) -> str:
+        """An FP8 block weight's bytes kept and its scale renamed ``.weight_scale``; returns the Quark
+        ``scale_type`` that describes the scale as stored (F32 or E8M0)."""
+        self.copy(name)
+        self.copy(scale, _module(name) + ".weight_scale")
+        return "float32" if self.r.info(scale).dtype == "F32" else "float8_e8m0fnu"
+
+    def to_fp8_block(self, name: str, scale: str | None) -> str:
+        """MTP shared expert (``--mtp amd``) -> FP8 e4m3 128x128 blocks + ``.weight_scale``: an FP8 source's bytes
+        kept (its scale renamed, F32 or E8M0 as stored), a float one quantized (E8M0: the smallest power-of-two scale
+        >= amax/448). Returns the scale's Quark ``scale_type``."""
         import torch
 
         from vllm_dsv4_mtp.formats.fp8 import quantize_block_fp8
 
         module = _module(name)
         if self.fp8_pair(name, scale):
-            self.copy(name)
-            self.copy(scale, module + ".weight_scale")
-            return
+            return self.copy_fp8(name, scale)
         if self.fp4_pair(name, scale):
             raise QuantizeError(f"{self.where(name)}: a packed FP4 shared expert cannot be stored FP8 exactly")
         value = self.decode(name, scale)
@@ -280,16 +286,14 @@ class _Converter:
         self.w.add(name, q)
         self.w.add(module + ".weight_scale", s.view(torch.float8_e8m0fnu))
         self.report.quantized.append(name)
+        return "float8_e8m0fnu"
 
     def keep_fp8(self, name: str, scale: str) -> None:
         """FP8 block weight outside the experts: bytes kept, scale renamed ``.weight_scale``, described as FP8."""
         from vllm_dsv4_mtp.formats.quark_config import fp8_block_layer_config
 
         module = _module(name)
-        self.copy(name)
-        self.copy(scale, module + ".weight_scale")
-        scale_type = "float32" if self.r.info(scale).dtype == "F32" else "float8_e8m0fnu"
-        self.fp8_layers[module] = fp8_block_layer_config(scale_type)
+        self.fp8_layers[module] = fp8_block_layer_config(self.copy_fp8(name, scale))
         self.report.fp8_kept.append(module)
 
     # ------------------------------------------------------------------------------------------ dispatch
@@ -335,8 +339,12 @@ class _Converter:
             self.to_mxfp4(name, scale)
             self.mtp_layers[MTP_ROUTED_PATTERN] = mxfp4_layer_config()
         elif MTP_SHARED_EXPERT.match(name):
-            self.to_fp8_block(name, scale)
-            self.mtp_layers[MTP_SHARED_PATTERN] = fp8_block_layer_config()
+            layer = fp8_block_layer_config(self.to_fp8_block(name, scale))
+            if self.mtp_layers.setdefault(MTP_SHARED_PATTERN, layer) != layer:  # one declaration for w1/w2/w3
+                raise QuantizeError(
+                    f"{self.where(name)}: its FP8 scales are stored unlike the other shared-expert "
+                    "weights' (F32 and E8M0 mixed); one Quark entry cannot describe both"
+                )
         elif self.fp8_pair(name, scale):
             self.keep_fp8(name, scale)
         else:

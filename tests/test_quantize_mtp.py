@@ -134,3 +134,27 @@ def test_cli_option(built, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert CheckpointReader(out).info("mtp.0.ffn.shared_experts.w2.weight").dtype == "F8_E4M3"
+
+
+def test_an_f32_scaled_fp8_shared_expert_is_declared_with_f32_scales(built, tmp_path):
+    """An FP8 source whose block scales are F32 (not the release's E8M0) keeps them as stored, so the Quark entry for
+    the MTP shared expert must say ``float32``: declared E8M0 over F32 bytes, vLLM would read wrong scales."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "official-f32"
+    shutil.copytree(built["official"], src)
+
+    for f in src.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        for n in [n for n in tensors if n.startswith("mtp.0.ffn.shared_experts.") and n.endswith(".scale")]:
+            tensors[n] = tensors[n].float()
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    quantize_checkpoint(src, tmp_path / "out", mtp="amd", progress=False)
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    shared = [v for k, v in qc["layer_quant_config"].items() if "shared_experts" in k and k.startswith("re:mtp")]
+    assert len(shared) == 1 and shared[0]["weight"]["scale_type"] == "float32", shared
+    out = CheckpointReader(tmp_path / "out")
+    assert out.info("mtp.0.ffn.shared_experts.w1.weight_scale").dtype == "F32"

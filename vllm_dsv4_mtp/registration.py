@@ -61,10 +61,13 @@ def register_models() -> bool:
     from vllm_dsv4_mtp.versions import UnsupportedVllmError, check_vllm_version
 
     log = init_logger("vllm.dsv4_mtp")  # a "vllm." name so the line goes through vLLM's log handler
-    impl = platform.implementation()
     try:
         check_vllm_version()
     except UnsupportedVllmError as e:
+        try:
+            impl = platform.implementation()
+        except (ImportError, AttributeError):  # a future vLLM without the platform query: refuse both, as on CPU
+            impl = platform.PORTABLE
         refused = models_for(impl)
         for arch in refused:
             ModelRegistry.register_model(arch, UNSUPPORTED)
@@ -81,6 +84,7 @@ def register_models() -> bool:
         )
         _registered = True
         return True
+    impl = platform.implementation()
     models = models_for(impl)
     for arch, ref in models.items():
         ModelRegistry.register_model(arch, ref)

@@ -75,14 +75,18 @@ class EndStreamsOnShutdown:
 
         inner = asyncio.ensure_future(self.app(scope, receive, relay))
         stopped_for = 0.0
-        while True:
-            done, _ = await asyncio.wait({inner}, timeout=self.poll_s)
-            if done:
-                inner.result()  # re-raise what the app raised
-                return
-            stopped_for = stopped_for + self.poll_s if engine_stopped(scope) else 0.0
-            if stopped_for >= self.grace_s:
-                break
+        try:
+            while True:
+                done, _ = await asyncio.wait({inner}, timeout=self.poll_s)
+                if done:
+                    inner.result()  # re-raise what the app raised
+                    return
+                stopped_for = stopped_for + self.poll_s if engine_stopped(scope) else 0.0
+                if stopped_for >= self.grace_s:
+                    break
+        except asyncio.CancelledError:  # the server cancelled this request: asyncio.wait leaves the app running
+            inner.cancel()
+            raise
         inner.cancel()
         try:
             await inner

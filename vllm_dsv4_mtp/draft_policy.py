@@ -59,27 +59,24 @@ class MtpMissingError(ValueError):
     """An MTP speculative config on a checkpoint without an MTP layer."""
 
 
+def _env_choice(name: str, choices: tuple[str, ...], environ: Mapping[str, str] | None) -> str:
+    """The value of environment variable ``name`` (case and spaces ignored; unset or empty: ``choices[0]``), or a
+    :class:`MtpPrecisionError` naming the variable and the values it takes."""
+    env = os.environ if environ is None else environ
+    value = env.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise MtpPrecisionError(f"{name}={env.get(name)!r} is not valid; expected one of {', '.join(choices)}")
+    return value
+
+
 def quantized_mtp_option(environ: Mapping[str, str] | None = None) -> str:
     """``dequantize`` (default) or ``refuse``, from ``VLLM_DSV4_MTP_QUANTIZED_MTP``."""
-    env = os.environ if environ is None else environ
-    value = env.get(QUANTIZED_MTP_ENV, "").strip().lower() or DEQUANTIZE
-    if value not in _OPTIONS:
-        raise MtpPrecisionError(
-            f"{QUANTIZED_MTP_ENV}={env.get(QUANTIZED_MTP_ENV)!r} is not valid; expected one of {', '.join(_OPTIONS)}"
-        )
-    return value
+    return _env_choice(QUANTIZED_MTP_ENV, _OPTIONS, environ)
 
 
 def draft_precision(environ: Mapping[str, str] | None = None) -> str:
     """``bf16`` (default) or ``stored``, from ``VLLM_DSV4_MTP_DRAFT_PRECISION``."""
-    env = os.environ if environ is None else environ
-    value = env.get(DRAFT_PRECISION_ENV, "").strip().lower() or BF16
-    if value not in _PRECISIONS:
-        raise MtpPrecisionError(
-            f"{DRAFT_PRECISION_ENV}={env.get(DRAFT_PRECISION_ENV)!r} is not valid; "
-            f"expected one of {', '.join(_PRECISIONS)}"
-        )
-    return value
+    return _env_choice(DRAFT_PRECISION_ENV, _PRECISIONS, environ)
 
 
 def check_draft_dtype(dtype: torch.dtype) -> torch.dtype:

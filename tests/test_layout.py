@@ -106,9 +106,16 @@ def test_model_code_imports_only_downward():
     assert not {m: d for m, d in bad.items() if d}, bad
 
 
-def test_no_source_file_over_500_lines():
+# Limits in lines as ruff formats them: a call past 120 columns takes one line per argument, so the same code is
+# longer than in the hand-wrapped style the earlier limits (500 / 60) were set in (the tree grew 12 % when it was
+# first formatted, 4a83e56; an argparse builder of 30 flags doubles). docs/benchmarks.md names the largest files.
+MAX_FILE_LINES = 650
+MAX_FUNCTION_LINES = 90
+
+
+def test_no_source_file_over_the_limit():
     files = [p for d in (PKG, ROOT / "quant", ROOT / "tests") for p in d.rglob("*.py") if "__pycache__" not in p.parts]
-    long = {p.relative_to(ROOT).as_posix(): n for p in files if (n := len(p.read_text().splitlines())) > 500}
+    long = {p.relative_to(ROOT).as_posix(): n for p in files if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
     assert not long, long
 
 
@@ -125,11 +132,14 @@ def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     return 0 if not body else body[-1].end_lineno - body[0].lineno + 1
 
 
-def test_no_function_body_over_60_lines():
+def test_no_function_body_over_the_limit():
     files = [p for d in (PKG, ROOT / "quant") for p in d.rglob("*.py") if "__pycache__" not in p.parts]
     long = {}
     for p in files:
         for node in ast.walk(ast.parse(p.read_text(), str(p))):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (n := _body_lines(node)) > 60:
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and (n := _body_lines(node)) > MAX_FUNCTION_LINES
+            ):
                 long[f"{p.relative_to(ROOT).as_posix()}:{node.lineno} {node.name}"] = n
     assert not long, long

@@ -255,4 +255,5 @@ def test_sigterm_drains_then_ends_every_stream_and_exits(server):
     # (500: vLLM's own EngineDeadError when its output loop saw the engine go; 503: the middleware, when it did not)
     assert all("finish_reason=length" in e or e in ("error event 500", "error event 503") for e in ends), ends
     assert any(e.startswith("error event") for e in ends)  # the drain is short enough that some did not finish
-    assert "mode=drain" in server.log_tail(20000)
+    # the whole log: each stream cut at the drain's end logs its own traceback after vLLM's shutdown line
+    assert "mode=drain" in server.log_path.read_text(errors="replace")

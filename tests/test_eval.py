@@ -19,6 +19,7 @@ import yaml
 from vllm_dsv4_mtp.cli import build_parser
 from vllm_dsv4_mtp.embedded import FEWSHOT_JSONL, TEST_JSONL
 from vllm_dsv4_mtp.evaluate import common
+from vllm_dsv4_mtp.evaluate.common import wilson_interval
 from vllm_dsv4_mtp.evaluate.eval_ab import AbRun, compare, report
 from vllm_dsv4_mtp.evaluate.eval_runs import lmeval_run
 from vllm_dsv4_mtp.evaluate.lmeval import LOCAL_TASK, LmEvalError, SampleAnswer, parse_results, write_local_task
@@ -250,7 +251,7 @@ def test_ab_report_compares_answer_by_answer():
         base_url="http://a",
         model="m",
         mtp="off",
-        result=result(0.5, 0.6),
+        result=result(2 / 3, 0.6),
         answers={i: _sample(i, f"#### {i}", i != 2) for i in range(3)},
     )
     on = AbRun(
@@ -259,16 +260,29 @@ def test_ab_report_compares_answer_by_answer():
         model="m",
         mtp="K=2",
         baseline="off",
-        result=result(0.4, 0.6, 2.5, [0.8, 0.7]),
+        result=result(1 / 3, 0.6, 2.5, [0.8, 0.7]),
         answers={0: _sample(0, "#### 0", True), 1: _sample(1, "#### 7", False), 2: _sample(2, "#### 2", False)},
     )
     compare([base, on])
     assert on.identical == (2, 3) and on.differing == [1]
     lines = report([base, on]).splitlines()
-    assert lines[2] == "| off | m | off | 0.5000 ± 0.0500 | 0.6000 | 3 | – | – | (baseline) | 12 | [1] |"
-    assert lines[3] == "| k2 | m | K=2 | 0.4000 ± 0.0500 | 0.6000 | 3 | 2.500 | 0.80 / 0.70 | 2/3 (off) | 12 | [2] |"
-    assert "[1] `lm_eval --x 0.5`" in lines and "[2] `lm_eval --x 0.4`" in lines
+    # the 95 % intervals of 2/3 and 1/3 are the Wilson intervals of the textbooks
+    assert lines[2] == (
+        "| off | m | off | 0.6667 ± 0.0500 | 0.2077-0.9385 | 0.6000 | 3 | – | – | (baseline) | 12 | [1] |"
+    )
+    assert lines[3] == (
+        "| k2 | m | K=2 | 0.3333 ± 0.0500 | 0.0615-0.7923 | 0.6000 | 3 | 2.500 | 0.80 / 0.70 | 2/3 (off) | 12 | [2] |"
+    )
+    assert f"[1] `lm_eval --x {2 / 3}`" in lines and f"[2] `lm_eval --x {1 / 3}`" in lines
     assert "- k2 vs off: 1 differ: doc 1: `1` (right) vs `7` (wrong)" in lines
+
+
+def test_wilson_interval_matches_published_values():
+    """Newcombe (1998), table I: 0/10, 10/10 and 50/100 (and it never leaves [0, 1])."""
+    for (k, n), want in {(0, 10): (0.0, 0.2775), (10, 10): (0.7225, 1.0), (50, 100): (0.4038, 0.5962)}.items():
+        assert wilson_interval(k, n) == pytest.approx(want, abs=5e-5)
+    with pytest.raises(ValueError):
+        wilson_interval(0, 0)
 
 
 # ------------------------------------------------------------------------------- against a real server
@@ -380,6 +394,9 @@ def test_ab_over_running_servers_compares_every_answer(server, tmp_path):
     assert r.stdout.count("`HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 lm_eval --model local-completions") == 2
     report = json.loads((out / "eval_ab.json").read_text())
     assert [row["identical_to_baseline"] for row in report["rows"]] == [None, [3, 3]]
+    for row in report["rows"]:
+        assert row["strict_correct"] == round(3 * row["score"]["strict"])
+        assert row["strict_ci95"] == pytest.approx(wilson_interval(row["strict_correct"], 3))
     answers = [json.loads(line) for line in (out / "eval_ab_answers.jsonl").read_text().splitlines()]
     assert [a["doc_id"] for a in answers] == [0, 1, 2]
     assert all(a["runs"]["first"]["response"] == a["runs"]["again"]["response"] for a in answers)

@@ -7,6 +7,7 @@ rule the training engineer's HF-only evaluation uses); lm-eval runs apply lm-eva
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 from pathlib import Path
@@ -84,3 +85,14 @@ def machine() -> dict:
     except (OSError, IndexError, ValueError):
         pass
     return info
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of a proportion ``correct / n`` (unlike mean ± 1.96 se it stays inside [0, 1]
+    and keeps its coverage near 0 % and 100 %, where the embedded model's accuracies sit)."""
+    if n <= 0:
+        raise ValueError("an interval needs at least one problem")
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -131,20 +131,30 @@ def _pm(v: float, se: float | None) -> str:
     return f"{v:.4f}" + (f" ± {se:.4f}" if se is not None else "")
 
 
+def strict_interval(score: dict) -> tuple[int, tuple[float, float]]:
+    """(problems right under strict-match, its 95 % Wilson interval)."""
+    from .common import wilson_interval
+
+    correct = round(score["strict"] * score["n"])
+    return correct, wilson_interval(correct, score["n"])
+
+
 def report(runs: list[AbRun]) -> str:
     """The table, the lm-eval command of each run, and the answers that differ from the baseline."""
     lines = [
-        "| run | served model | MTP | strict-match | flexible-extract | problems | mean acceptance length "
-        "| per-position acceptance | answers identical to baseline | lm-eval wall (s) | lm-eval command |",
-        "|---|---|---|---:|---:|---:|---:|---|---|---:|---|",
+        "| run | served model | MTP | strict-match | strict 95 % interval | flexible-extract | problems "
+        "| mean acceptance length | per-position acceptance | answers identical to baseline | lm-eval wall (s) "
+        "| lm-eval command |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---|---:|---|",
     ]
     for i, r in enumerate(runs, 1):
         s, sd = r.result["score"], r.result["spec_decode"]
         al = sd.get("mean_acceptance_length") if sd else None
         pos = " / ".join(f"{p:.2f}" for p in (sd.get("per_position_acceptance") or [])) if sd else ""
         ident = "(baseline)" if r.identical is None else f"{r.identical[0]}/{r.identical[1]} ({r.baseline})"
+        _, (lo, hi) = strict_interval(s)
         lines.append(
-            f"| {r.label} | {r.model} | {r.mtp} | {_pm(s['strict'], s['strict_stderr'])} "
+            f"| {r.label} | {r.model} | {r.mtp} | {_pm(s['strict'], s['strict_stderr'])} | {lo:.4f}-{hi:.4f} "
             f"| {_pm(s['flexible'], s['flexible_stderr'])} | {s['n']} | {'–' if al is None else f'{al:.3f}'} "
             f"| {pos or '–'} | {ident} | {r.result['wall_s']:.0f} | [{i}] |"
         )
@@ -188,6 +198,8 @@ def write_outputs(out: Path, runs: list[AbRun], args, text: str) -> None:
             "checkpoint_dir": getattr(r.spec, "model", None),
             "baseline": r.baseline,
             **r.result,
+            "strict_correct": strict_interval(r.result["score"])[0],
+            "strict_ci95": strict_interval(r.result["score"])[1],
             "identical_to_baseline": r.identical,
             "differing_doc_ids": r.differing,
         }

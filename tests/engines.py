@@ -139,3 +139,39 @@ def record_draft_calls(llm, prompts: list[list[int]], max_tokens: int = 2) -> tu
     finally:
         handle.remove()
     return calls, outs
+
+
+def replay_first_round(draft, step1: dict, later: list[dict], prompts: list[list[int]], ref) -> Iterator[dict]:
+    """Replay the recorded first drafting round (``record_draft_calls``: ``step1`` over every prompt position, then
+    ``later`` = steps 2..K, one row per request) through the float32 reference MTP ``ref``, fed the same hidden
+    states and tokens, with its own cache per request.
+
+    Yields per request ``r`` and step ``k`` (0 = step 1): ``got`` (the draft's logits from its recorded output),
+    ``want`` (the reference's), and for ``k >= 1`` the recorded ``call``, the ``token`` fed and the reference's
+    logits of the step before (``prev``), whose argmax that token should be."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    hc, d = 4, ref.e_proj.weight.shape[0]
+    start = 0
+    for r, prompt in enumerate(prompts):
+        n = len(prompt)
+        rows = slice(start, start + n)
+        start += n
+        with torch.no_grad():
+            cache = DynamicCache(config=ref.config)
+            state = ref(
+                step1["hidden_states"][rows].view(1, n, hc, d),
+                step1["input_ids"][rows][None].long(),
+                torch.arange(n)[None],
+                past_key_values=cache,
+            )
+            yield {"r": r, "k": 0, "got": draft.compute_logits(step1["out"][rows]), "want": ref.logits(state)[0]}
+            state = state[:, -1:]
+            for k, call in enumerate(later, start=1):
+                prev = ref.logits(state)[0, -1]
+                token = call["input_ids"][r].view(1, 1).long()
+                state = ref(state, token, torch.tensor([[n + k - 1]]), past_key_values=cache)
+                got = draft.compute_logits(call["out"][r : r + 1])[0]
+                want = ref.logits(state)[0, -1]
+                yield {"r": r, "k": k, "got": got, "want": want, "call": call, "token": token, "prev": prev}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import random_prompts, sharpened_tiny
-from engines import drafter, record_draft_calls, vllm_engine
+from engines import drafter, record_draft_calls, replay_first_round, vllm_engine
 
 pytestmark = pytest.mark.engine
 
@@ -113,35 +113,11 @@ def _reference(ckpt, rounded: bool):
 def _draft_logits_vs_reference(run, ref):
     """Every logit row of the first drafting round (step 1 over the prompts, steps 2..K) against ``ref``; returns
     ``(max |draft - ref| per row, the draft's logits in order)``."""
-    from transformers.cache_utils import DynamicCache
-
-    draft, calls = run["draft"], run["calls"]
-    step1, later = calls[0], calls[1:K]
-    hc, d = 4, ref.e_proj.weight.shape[0]
-    start, diffs, got_all = 0, [], []
-    for r, prompt in enumerate(run["prompts"]):
-        n = len(prompt)
-        rows = slice(start, start + n)
-        with torch.no_grad():
-            cache = DynamicCache(config=ref.config)
-            state = ref(
-                step1["hidden_states"][rows].view(1, n, hc, d),
-                step1["input_ids"][rows][None].long(),
-                torch.arange(n)[None],
-                past_key_values=cache,
-            )
-            got = draft.compute_logits(step1["out"][rows])
-            diffs += (got - ref.logits(state)[0]).abs().amax(-1).tolist()
-            got_all.append(got)
-            state = state[:, -1:]
-            for k, call in enumerate(later):
-                tok = call["input_ids"][r].view(1, 1).long()
-                state = ref(state, tok, torch.tensor([[n + k]]), past_key_values=cache)
-                got = draft.compute_logits(call["out"][r : r + 1])[0]
-                diffs.append((got - ref.logits(state)[0, -1]).abs().max().item())
-                got_all.append(got[None])
-        start += n
-    return torch.tensor(diffs), torch.cat(got_all)
+    calls = run["calls"]
+    rows = list(replay_first_round(run["draft"], calls[0], calls[1:K], run["prompts"], ref))
+    got = torch.cat([r["got"] if r["k"] == 0 else r["got"][None] for r in rows])
+    want = torch.cat([r["want"] if r["k"] == 0 else r["want"][None] for r in rows])
+    return (got - want).abs().amax(-1), got
 
 
 def test_each_engine_runs_its_precision(runs):

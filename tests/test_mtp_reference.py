@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import random_prompts, sharpened_tiny
-from engines import drafter, record_draft_calls
+from engines import drafter, record_draft_calls, replay_first_round
 
 pytestmark = pytest.mark.engine
 
@@ -107,41 +107,17 @@ def test_step1_inputs_are_the_targets_streams_and_shifted_ids(run, oracles):
 
 def test_draft_logits_match_reference_mtp(run, oracles):
     """Step 1 over every prompt position, then steps 2..K at positions n, n+1 on the draft's own state."""
-    from transformers.cache_utils import DynamicCache
-
     _, ref = oracles
-    draft = run["draft"]
     step1, later = _first_round(run)
-    hc, d = 4, ref.e_proj.weight.shape[0]
-    start = 0
     worst = 0.0
-    for r, prompt in enumerate(run["prompts"]):
-        n = len(prompt)
-        rows = slice(start, start + n)
-        with torch.no_grad():
-            cache = DynamicCache(config=ref.config)
-            state = ref(
-                step1["hidden_states"][rows].view(1, n, hc, d),
-                step1["input_ids"][rows][None].long(),
-                torch.arange(n)[None],
-                past_key_values=cache,
-            )
-            want = ref.logits(state)[0]
-            got = draft.compute_logits(step1["out"][rows])
-            worst = max(worst, (got - want).abs().max().item())
-            torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+    for row in replay_first_round(run["draft"], step1, later, run["prompts"], ref):
+        got, want = row["got"], row["want"]
+        worst = max(worst, (got - want).abs().max().item())
+        torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+        if row["k"] == 0:
             assert torch.equal(got.argmax(-1), want.argmax(-1))
-            state = state[:, -1:]
-            for k, call in enumerate(later):
-                assert call["positions"][r].item() == n + k
-                tok = call["input_ids"][r].view(1, 1).long()
-                # the token fed at step k+2 is the draft's own argmax of step k+1
-                prev_logits = ref.logits(state)[0, -1]
-                assert tok.item() == prev_logits.argmax().item()
-                state = ref(state, tok, torch.tensor([[n + k]]), past_key_values=cache)
-                want = ref.logits(state)[0, -1]
-                got = draft.compute_logits(call["out"][r : r + 1])[0]
-                worst = max(worst, (got - want).abs().max().item())
-                torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
-        start += n
+        else:
+            assert row["call"]["positions"][row["r"]].item() == len(run["prompts"][row["r"]]) + row["k"] - 1
+            # the token fed at step k+1 is the draft's own argmax of step k
+            assert row["token"].item() == row["prev"].argmax().item()
     print(f"max |draft - reference| logit difference: {worst:.2e}")

@@ -340,6 +340,8 @@ def test_ab_names_servers_by_their_draft_precision_and_states_each_drafts_memory
         assert memory["gb"][precision] == pytest.approx(want.draft_gb[precision])
     assert memory["gb"]["bf16"] > 3 * memory["gb"]["stored"]  # MXFP4 experts: ~4x fewer bytes than BF16
     assert draft_memory(None) is None and draft_memory("cpu-tiny") is None  # no GPU: no per-GPU arithmetic
+    with pytest.raises(ValueError, match="unknown profile 'mi300'"):
+        draft_memory("mi300")
     for r, al in zip(runs, (1 + 16 / 10, 1 + 13 / 10), strict=True):
         r.result = {
             "score": {"strict": 0.9, "strict_stderr": 0.01, "flexible": 0.9, "flexible_stderr": 0.01, "n": 5},

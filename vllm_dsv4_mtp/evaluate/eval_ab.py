@@ -96,7 +96,10 @@ def draft_memory(profile: str | None) -> dict | None:
     from vllm_dsv4_mtp.serve.command import build_command
     from vllm_dsv4_mtp.serve.profiles import get_profile
 
-    cmd = build_command(get_profile(profile), None, [])
+    try:
+        cmd = build_command(get_profile(profile), None, [])
+    except KeyError as e:  # eval's error path reports ValueErrors in one line
+        raise ValueError(e.args[0]) from None
     rep = capacity_report(cmd)
     if rep is None or rep.draft_gb is None:
         return None

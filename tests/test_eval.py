@@ -268,10 +268,11 @@ def test_ab_report_compares_answer_by_answer():
     lines = report([base, on]).splitlines()
     # the 95 % intervals of 2/3 and 1/3 are the Wilson intervals of the textbooks
     assert lines[2] == (
-        "| off | m | off | 0.6667 ± 0.0500 | 0.2077-0.9385 | 0.6000 | 3 | – | – | (baseline) | 12 | [1] |"
+        "| off | m | off | – | – | 0.6667 ± 0.0500 | 0.2077-0.9385 | 0.6000 | 3 | – | – | (baseline) | 12 | [1] |"
     )
     assert lines[3] == (
-        "| k2 | m | K=2 | 0.3333 ± 0.0500 | 0.0615-0.7923 | 0.6000 | 3 | 2.500 | 0.80 / 0.70 | 2/3 (off) | 12 | [2] |"
+        "| k2 | m | K=2 | – | – | 0.3333 ± 0.0500 | 0.0615-0.7923 | 0.6000 | 3 | 2.500 | 0.80 / 0.70 "
+        "| 2/3 (off) | 12 | [2] |"
     )
     assert f"[1] `lm_eval --x {2 / 3}`" in lines and f"[2] `lm_eval --x {1 / 3}`" in lines
     assert "- k2 vs off: 1 differ: doc 1: `1` (right) vs `7` (wrong)" in lines
@@ -283,6 +284,98 @@ def test_wilson_interval_matches_published_values():
         assert wilson_interval(k, n) == pytest.approx(want, abs=5e-5)
     with pytest.raises(ValueError):
         wilson_interval(0, 0)
+
+
+def _fake_server(precision: str, accepted: tuple[int, int]):
+    """A server's /health and /metrics as vLLM with the plugin exports them: K=2 spec-decode counters after 10
+    drafts, and the plugin's draft-precision sample."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    text = (
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0\n'
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 20.0\n'
+        f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {sum(accepted)}.0\n'
+        + "".join(
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{i}"}} {a}.0\n'
+            for i, a in enumerate(accepted)
+        )
+        + f'dsv4_mtp_draft_precision{{precision="{precision}"}} 1.0\n'
+    ).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = {"/metrics": text, "/health": b""}.get(self.path)
+            self.send_response(404 if body is None else 200)
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def test_ab_names_servers_by_their_draft_precision_and_states_each_drafts_memory():
+    """Two servers given by URL alone, one per VLLM_DSV4_MTP_DRAFT_PRECISION: each is labelled by the precision its
+    /metrics reports, and the report gives each draft's weights per GPU under the profile, its acceptance and
+    its decode speed per concurrency."""
+    from vllm_dsv4_mtp.evaluate.eval_ab import draft_memory, label_by_precision, plan_url_runs
+    from vllm_dsv4_mtp.serve.capacity import PRECISION_DRAFTS, Parallelism, check_capacity
+
+    servers = [_fake_server("bf16", (9, 7)), _fake_server("stored", (8, 5))]
+    try:
+        urls = [f"http://127.0.0.1:{s.server_port}" for s in servers]
+        runs = plan_url_runs(urls, None)
+        assert [r.label for r in runs] == ["server 1", "server 2"] and runs[0].baseline is None
+        label_by_precision(runs, None)
+    finally:
+        for s in servers:
+            s.shutdown()
+    assert [(r.label, r.precision, r.mtp, r.baseline) for r in runs] == [
+        ("bf16", "bf16", "K=2", None),
+        ("stored", "stored", "K=2", "bf16"),
+    ]
+    memory = draft_memory("mi355x-pro-tp8")
+    for precision, draft in PRECISION_DRAFTS.items():  # the arithmetic `serve --dry-run` prints for that draft
+        want = check_capacity(
+            "amd/DeepSeek-V4-Pro-MXFP4",
+            hardware="mi355x",
+            par=Parallelism(tp=8),
+            gpu_memory_utilization=0.85,
+            max_model_len=None,
+            kv_cache_dtype="fp8",
+            mtp=True,
+            draft=draft,
+        )
+        assert memory["gb"][precision] == pytest.approx(want.draft_gb[precision])
+    assert memory["gb"]["bf16"] > 3 * memory["gb"]["stored"]  # MXFP4 experts: ~4x fewer bytes than BF16
+    assert draft_memory(None) is None and draft_memory("cpu-tiny") is None  # no GPU: no per-GPU arithmetic
+    with pytest.raises(ValueError, match="unknown profile 'mi300'"):
+        draft_memory("mi300")
+    for r, al in zip(runs, (1 + 16 / 10, 1 + 13 / 10), strict=True):
+        r.result = {
+            "score": {"strict": 0.9, "strict_stderr": 0.01, "flexible": 0.9, "flexible_stderr": 0.01, "n": 5},
+            "spec_decode": {"mean_acceptance_length": al, "per_position_acceptance": [0.9, 0.7]},
+            "wall_s": 3.0,
+            "lm_eval_command": "lm_eval",
+        }
+        r.model = "m"
+        r.sweep = [
+            {"concurrency": c, "output_tok_s": 10.0 * c, "tpot_mean_ms": 5.0, "acceptance_length": al}
+            | {"per_position_acceptance": [0.9, 0.7]}
+            for c in (1, 8)
+        ]
+    lines = report(runs, memory).splitlines()
+    gb = memory["gb"]
+    assert lines[2].startswith(f"| bf16 | m | K=2 | bf16 | {gb['bf16']:.2f} GB | 0.9000 ± 0.0100 |")
+    assert lines[3].startswith(f"| stored | m | K=2 | stored | {gb['stored']:.2f} GB | 0.9000 ± 0.0100 |")
+    assert "| 2.600 | 0.90 / 0.70 |" in lines[2] and "| 2.300 | 0.90 / 0.70 |" in lines[3]
+    trade = next(x for x in lines if x.startswith("Draft weights per GPU under mi355x-pro-tp8"))
+    assert f"costs {gb['bf16'] - gb['stored']:.2f} GB = {memory['bf16_kv_tokens']:,.0f} KV-cache tokens" in trade
+    assert "| stored | stored | 8 | 80.0 | 5.0 | 2.300 | 0.90 / 0.70 |" in lines
 
 
 # ------------------------------------------------------------------------------- against a real server
@@ -357,8 +450,9 @@ def test_eval_local_task_against_server(server, tmp_path):
 
 @pytest.mark.engine
 def test_ab_over_running_servers_compares_every_answer(server, tmp_path):
-    """--ab over servers given by URL (here the same one twice): both runs scored, MTP read from /metrics, and
-    every answer compared with the baseline's (greedy, one request at a time: all identical)."""
+    """--ab over servers given by URL (here the same one twice, the second without a label): both runs scored, MTP
+    and the draft precision read from /metrics (the unlabelled run named by it), every answer compared with the
+    baseline's (greedy, one request at a time: all identical), and a decode-speed level per run."""
     out = tmp_path / "ab"
     r = procs.run(
         [
@@ -370,7 +464,13 @@ def test_ab_over_running_servers_compares_every_answer(server, tmp_path):
             "--server",
             f"first={server.base_url}",
             "--server",
-            f"again={server.base_url}/v1",
+            f"{server.base_url}/v1",
+            "--concurrency",
+            "1",
+            "--bench-requests",
+            "2",
+            "--bench-max-tokens",
+            "8",
             "--limit",
             "3",
             "--num-fewshot",
@@ -386,20 +486,25 @@ def test_ab_over_running_servers_compares_every_answer(server, tmp_path):
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     mtp = f"K={K}"
-    rows = [line for line in r.stdout.splitlines() if line.startswith(("| first |", "| again |"))]
+    rows = [line for line in r.stdout.splitlines() if line.startswith(("| first | dsv4", "| bf16 | dsv4"))]
     assert len(rows) == 2
-    assert rows[0].startswith(f"| first | dsv4-tiny | {mtp} | ") and "| 3 | " in rows[0] and "(baseline)" in rows[0]
-    assert rows[1].startswith(f"| again | dsv4-tiny | {mtp} | ") and "| 3/3 (first) |" in rows[1]
-    assert "- again vs first: none, all 3 identical" in r.stdout
+    assert rows[0].startswith(f"| first | dsv4-tiny | {mtp} | bf16 | – | ") and "| 3 | " in rows[0]
+    assert "(baseline)" in rows[0]
+    assert rows[1].startswith(f"| bf16 | dsv4-tiny | {mtp} | bf16 | – | ") and "| 3/3 (first) |" in rows[1]
+    assert "- bf16 vs first: none, all 3 identical" in r.stdout
+    speed = [line for line in r.stdout.splitlines() if line.startswith(("| first | bf16 | 1 |", "| bf16 | bf16 | 1 |"))]
+    assert len(speed) == 2 and all(float(x.split("|")[4]) > 0 for x in speed), r.stdout
     assert r.stdout.count("`HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 lm_eval --model local-completions") == 2
     report = json.loads((out / "eval_ab.json").read_text())
     assert [row["identical_to_baseline"] for row in report["rows"]] == [None, [3, 3]]
     for row in report["rows"]:
         assert row["strict_correct"] == round(3 * row["score"]["strict"])
         assert row["strict_ci95"] == pytest.approx(wilson_interval(row["strict_correct"], 3))
+    assert [row["draft_precision"] for row in report["rows"]] == ["bf16", "bf16"]
+    assert all(row["speed"][0]["requests"] == 2 and row["speed"][0]["failed"] == 0 for row in report["rows"])
     answers = [json.loads(line) for line in (out / "eval_ab_answers.jsonl").read_text().splitlines()]
     assert [a["doc_id"] for a in answers] == [0, 1, 2]
-    assert all(a["runs"]["first"]["response"] == a["runs"]["again"]["response"] for a in answers)
+    assert all(a["runs"]["first"]["response"] == a["runs"]["bf16"]["response"] for a in answers)
 
 
 def test_eval_reports_an_unreachable_server(tmp_path):

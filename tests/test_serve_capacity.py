@@ -143,6 +143,8 @@ def test_portable_hardware_counts_dense_weights_in_the_report():
     experts = next(x for x in lines if x.strip().startswith("routed experts"))
     assert experts.split()[2] == "bf16" and f"{routed * 2 / GB:.2f} GB  / 8 (TP)" in experts
     assert not r.fits  # 1.5 T parameters in bf16 do not fit 8 GPUs
+    # the portable draft decodes its weights whatever it computes: both precisions take the same bytes
+    assert r.draft_gb["bf16"] == r.draft_gb["stored"] and r.bf16_kv_tokens == 0
 
 
 def test_expert_parallel_changes_how_experts_are_split_not_how_much():
@@ -266,6 +268,78 @@ def test_shipped_profiles_fit_and_the_draft_is_what_tips_pro_tp4_over():
     # without the MTP layer Pro TP4 fits at 0.90: the BF16 draft (13.11 GB per GPU) is what does not
     no_mtp = _check(AMD_PRO, tp=4, util=0.90, mtp=False)
     assert no_mtp.fits and "MTP layer (" not in no_mtp.text and "draft:  none" in no_mtp.text
+
+
+def _drafts_per_gpu(c, tp) -> dict[str, float]:
+    """Both plugin drafts' bytes per GPU at TP, from the release's MTP tensor list. ``bf16``: every tensor upcast
+    to 2 bytes (float32 ones stay 4); ``stored``: AMD's export, routed experts MXFP4, every linear (attention,
+    shared expert, e_proj/h_proj) FP8 e4m3 with one E8M0 scale byte per 128x128 block, norms and router bf16."""
+    H, E, I = c["hidden_size"], c["n_routed_experts"], c["moe_intermediate_size"]
+    heads, hd, qr, og, olr = (
+        c[k] for k in ("num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank")
+    )
+    split = [(heads * hd, qr), (og * olr, heads // og * hd), (H, og * olr), (I, H), (I, H), (H, I)]  # wq_b..., w1-3
+    replicated = [(qr, H), (hd, H), (H, H), (H, H)]  # wq_a, wkv, e_proj, h_proj
+    routed = E * 3 * H * I
+    bf16_small = qr + hd + 2 * H + 3 * H + E * H  # q/kv norms, attn/ffn norms, enorm/hnorm/norm, router weight
+    fp32 = _mtp_fp32_params(c)
+    linear_params = sum(o * i for o, i in split + replicated)
+    assert routed + linear_params + bf16_small + fp32 == _mtp_params(c)  # every MTP tensor counted once
+
+    def fp8(o, i):
+        return o * i + math.ceil(o / 128) * math.ceil(i / 128)
+
+    small = 2 * bf16_small + 4 * fp32
+    return {
+        "bf16": (2 * routed + sum(2 * o * i for o, i in split)) / tp + sum(2 * o * i for o, i in replicated) + small,
+        "stored": (routed * MXFP4_BYTES + sum(fp8(o, i) for o, i in split)) / tp
+        + sum(fp8(o, i) for o, i in replicated)
+        + small,
+    }
+
+
+def _kv_bytes_per_token(c) -> float:
+    """The measured Pro figure scaled by fp8 compressed-row bytes per token (584 B rows, 132 B indexer rows)."""
+
+    def rows(ratios):
+        return sum((584 + 132) / 4 if r == 4 else 584 / 128 if r == 128 else 0 for r in ratios)
+
+    return KV_1M / 1048576 * rows(c["compress_ratios"]) / rows(PRO_CONFIG["compress_ratios"])
+
+
+@pytest.mark.parametrize(
+    "profile, config, tp", [("mi355x-pro-tp8", PRO_CONFIG, 8), ("mi355x-flash-tp4", FLASH_CONFIG, 4)]
+)
+@pytest.mark.parametrize("precision", ["bf16", "stored"])
+def test_dry_run_states_both_drafts_and_what_bf16_costs_in_kv_tokens(
+    profile, config, tp, precision, monkeypatch, capsys
+):
+    """Both drafts' bytes per GPU and the BF16 draft's cost in KV tokens, against the arithmetic above; the
+    environment switch selects which one the weights line counts."""
+    monkeypatch.setenv("VLLM_DSV4_MTP_DRAFT_PRECISION", precision)
+    assert cli.run(["--profile", profile, "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    want = _drafts_per_gpu(config, tp)
+    head = next(i for i, x in enumerate(lines) if x.startswith("  MTP draft precision ("))
+    assert lines[head].startswith(f"  MTP draft precision (VLLM_DSV4_MTP_DRAFT_PRECISION={precision}), ")
+    assert lines[head].endswith(f"per GPU at TP={tp}:")
+    rows = {x.split()[0]: x for x in lines[head + 1 : head + 3]}
+    assert set(rows) == {"bf16", "stored"} and f"{precision} (selected)" in rows[precision]
+    for p, row in rows.items():
+        assert float(row.split()[-2]) == pytest.approx(want[p] / GB, abs=0.005), p
+    cost = want["bf16"] - want["stored"]
+    kv_tok = _kv_bytes_per_token(config)
+    trade = lines[head + 3]
+    assert trade.startswith(f"  bf16 draft costs {cost / GB:.2f} GB per GPU = ")
+    assert int(trade.split(" = ")[1].split()[0].replace(",", "")) == pytest.approx(cost / kv_tok, abs=1)
+    assert trade.endswith(f"({cost / GB:.2f} GB / {kv_tok:,.0f} B per token per GPU, fp8 KV)")
+    # the selected draft is the one the MTP row and the weights line count
+    mtp_row = next(x for x in lines if x.strip().startswith("MTP layer ("))
+    assert ("plugin's BF16 draft" if precision == "bf16" else "plugin's, stored") in mtp_row
+    assert float(mtp_row.split()[-2]) == pytest.approx(want[precision] / GB, abs=0.005)
+    report = _check(AMD_PRO if tp == 8 else AMD_FLASH, tp=tp, draft=capacity.PRECISION_DRAFTS[precision])
+    assert report.draft_gb == pytest.approx({p: v / GB for p, v in want.items()}, abs=1e-6)
+    assert report.bf16_kv_tokens == pytest.approx(cost / kv_tok, rel=1e-9)
 
 
 def test_startup_free_memory_is_reported_and_bounds_the_suggested_utilisation():

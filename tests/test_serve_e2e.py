@@ -20,7 +20,7 @@ import pytest
 from servers import get, post_json
 
 from vllm_dsv4_mtp.evaluate.server import ServerExitedError, ServerNotReadyError, bound_port, wait_healthy
-from vllm_dsv4_mtp.serve.metrics import spec_decode_metrics
+from vllm_dsv4_mtp.serve.metrics import draft_precision_from_metrics, spec_decode_metrics
 
 pytestmark = pytest.mark.engine
 
@@ -84,8 +84,10 @@ def test_cpu_tiny_serves_completions_and_stops_cleanly(embedded_mxfp4, tmp_path,
 
         # the profile's MTP speculative config reached vLLM, and the draft really proposed tokens
         assert '--speculative-config \'{"method":"mtp","num_speculative_tokens":2}\'' in text
-        m = spec_decode_metrics(get(f"http://127.0.0.1:{port}/metrics").decode())
+        metrics = get(f"http://127.0.0.1:{port}/metrics").decode()
+        m = spec_decode_metrics(metrics)
         assert m is not None and m.num_drafts > 0 and m.mean_acceptance_length >= 1.0
+        assert draft_precision_from_metrics(metrics) == "bf16"  # the plugin says which draft it runs
     except BaseException:
         proc.kill()
         raise

@@ -127,3 +127,21 @@ def test_metrics_command_against_an_http_server(capsys):
         srv.shutdown()
     assert M.main([url, "--timeout", "2"]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_the_plugin_exports_its_draft_precision_and_vllm_keeps_it(monkeypatch):
+    """The sample vLLM's API server serves from its default registry; read at each scrape from the environment,
+    and not among the collectors vLLM unregisters when it builds its own."""
+    import prometheus_client
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    assert M.export_draft_precision() and M.export_draft_precision()  # twice: registered once
+    unregister_vllm_metrics()
+    for value, want in (("", "bf16"), ("stored", "stored"), (" BF16 ", "bf16")):
+        monkeypatch.setenv("VLLM_DSV4_MTP_DRAFT_PRECISION", value)
+        text = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
+        assert f'dsv4_mtp_draft_precision{{precision="{want}"}} 1.0' in text.splitlines()
+        assert M.draft_precision_from_metrics(text) == want
+    monkeypatch.setenv("VLLM_DSV4_MTP_DRAFT_PRECISION", "fp4")  # refused by the draft: nothing claimed
+    assert M.draft_precision_from_metrics(prometheus_client.generate_latest().decode()) is None
+    assert M.draft_precision_from_metrics(_vllm_exposition()) is None  # a server without the plugin

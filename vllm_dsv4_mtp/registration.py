@@ -97,6 +97,9 @@ def register_models() -> bool:
     from vllm_dsv4_mtp.startup_checks import register_config_format
 
     register_config_format()  # --config-format dsv4_mtp: config.json checked before vLLM's SpeculativeConfig
+    from vllm_dsv4_mtp.serve.metrics import export_draft_precision
+
+    export_draft_precision()  # /metrics says which draft precision this server runs (eval --ab reads it)
     _registered = True
     log.info(
         "vllm-dsv4-mtp plugin (%s): %s; %s (set %s=1 to use vLLM's own classes only)",

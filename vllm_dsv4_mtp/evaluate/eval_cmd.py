@@ -16,7 +16,8 @@ lm-eval task over local JSONL (the shipped held-out set unless --data), always o
 time, through `dsv4-mtp serve` for each --checkpoint x --mtp setting. The report gives per run: strict and
 flexible accuracy with standard errors, the number of problems, the mean acceptance length from the
 server's /metrics counters, how many answers are identical to the baseline run (and which differ), and the
-exact lm-eval command line.
+exact lm-eval command line; and the draft precision each server reports, with --profile each draft's weights
+per GPU, with --concurrency decode tok/s, TPOT and acceptance per concurrency.
 """
 
 from __future__ import annotations
@@ -44,11 +45,65 @@ def _mtp_list(s: str) -> list[int | None]:
     return out
 
 
+def _levels(s: str) -> list[int]:
+    from .bench import _levels as bench_levels
+
+    return bench_levels(s)
+
+
 def _key_value(s: str) -> tuple[str, str]:
     key, sep, value = s.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
     return key, value
+
+
+def _add_ab_arguments(p: argparse.ArgumentParser) -> None:
+    ab = p.add_argument_group("A/B mode (--ab)")
+    ab.add_argument("--ab", action="store_true", help="evaluate several servers and print the comparison table")
+    ab.add_argument(
+        "--server",
+        action="append",
+        metavar="[LABEL=]URL",
+        help="a running server to compare (repeatable); the first is the baseline unless --baseline; without "
+        "LABEL it is named by the draft precision its /metrics reports (bf16 / stored)",
+    )
+    ab.add_argument("--baseline", metavar="LABEL", help="the run every other run's answers are compared with")
+    ab.add_argument(
+        "--checkpoint",
+        action="append",
+        metavar="NAME=DIR",
+        help="without --server: checkpoints to serve here one at a time (default: the embedded "
+        "BF16 and MXFP4 models); each MTP run is compared with its checkpoint's MTP-off run",
+    )
+    ab.add_argument(
+        "--mtp", type=_mtp_list, default=[None, 1, 3], help="without --server: MTP settings (default off,1,3)"
+    )
+    ab.add_argument(
+        "--profile",
+        default=None,
+        help="without --server: dsv4-mtp serve profile (default cpu-tiny); with --server: a GPU profile "
+        "(mi355x-pro-tp8, ...) whose capacity arithmetic gives each draft's weights per GPU",
+    )
+    ab.add_argument(
+        "--concurrency",
+        type=_levels,
+        default=None,
+        metavar="C1,C2,...",
+        help="after each lm-eval run, bench's decode-speed sweep at these concurrencies (servers on this machine)",
+    )
+    ab.add_argument("--bench-max-tokens", type=int, default=64, help="--concurrency: output tokens per request")
+    ab.add_argument(
+        "--bench-requests", type=int, default=None, help="--concurrency: requests per level (default max(8, 2 x C))"
+    )
+    ab.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="without --server: an extra vLLM flag for the servers started here (repeatable; "
+        "--serve-arg=--max-num-seqs --serve-arg=64)",
+    )
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -96,34 +151,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=Path("eval_out"), help="output directory (default eval_out)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    ab = p.add_argument_group("A/B mode (--ab)")
-    ab.add_argument("--ab", action="store_true", help="evaluate several servers and print the comparison table")
-    ab.add_argument(
-        "--server",
-        action="append",
-        metavar="[LABEL=]URL",
-        help="a running server to compare (repeatable); the first is the baseline unless --baseline",
-    )
-    ab.add_argument("--baseline", metavar="LABEL", help="the run every other run's answers are compared with")
-    ab.add_argument(
-        "--checkpoint",
-        action="append",
-        metavar="NAME=DIR",
-        help="without --server: checkpoints to serve here one at a time (default: the embedded "
-        "BF16 and MXFP4 models); each MTP run is compared with its checkpoint's MTP-off run",
-    )
-    ab.add_argument(
-        "--mtp", type=_mtp_list, default=[None, 1, 3], help="without --server: MTP settings (default off,1,3)"
-    )
-    ab.add_argument("--profile", default="cpu-tiny", help="without --server: dsv4-mtp serve profile (default cpu-tiny)")
-    ab.add_argument(
-        "--serve-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="without --server: an extra vLLM flag for the servers started here (repeatable; "
-        "--serve-arg=--max-num-seqs --serve-arg=64)",
-    )
+    _add_ab_arguments(p)
     p.add_argument(
         "--start-timeout",
         type=float,

@@ -10,9 +10,11 @@ The arithmetic, per GPU, in GB (1e9 bytes)::
     fits    <=> budget - weights - reserve >= kv_need
 
 What runs is counted per platform: on MI355X vLLM's in-tree target at the checkpoint's stored precision and
-the plugin's BF16 MTP draft (only when the speculative config asks for MTP; otherwise the target drops the
-``mtp.*`` tensors); on other platforms the plugin's portable target with every weight decoded to the model
-dtype. The report prints each part, the reserve with its derivation and source, and what would fit instead.
+the plugin's MTP draft (only when the speculative config asks for MTP; otherwise the target drops the
+``mtp.*`` tensors), BF16 or stored as ``VLLM_DSV4_MTP_DRAFT_PRECISION`` selects; on other platforms the plugin's
+portable target with every weight decoded to the model dtype. The report prints each part, the reserve with its
+derivation and source, and what would fit instead; with the plugin's draft, both precisions' bytes per GPU and
+what the BF16 one costs in KV-cache tokens (the difference per GPU / the KV bytes per token per GPU).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from vllm_dsv4_mtp.serve.profiles import GIB_IN_GB, HARDWARE, KNOWN_CHECKPOINTS,
 from vllm_dsv4_mtp.serve.reserve import TOPOLOGY_LABELS, reserve_for
 from vllm_dsv4_mtp.serve.weight_bytes import (
     PLUGIN_DRAFT,
+    PLUGIN_STORED_DRAFT,
     VLLM_DRAFT,
     Parallelism,
     Runs,
@@ -46,6 +49,8 @@ __all__ = [
     "Runs",
     "WeightTable",
     "PLUGIN_DRAFT",
+    "PLUGIN_STORED_DRAFT",
+    "PRECISION_DRAFTS",
     "VLLM_DRAFT",
     "check_capacity",
     "kv_bytes_per_token",
@@ -55,7 +60,14 @@ __all__ = [
     "weight_table",
 ]
 
-_DRAFT_ROWS = {PLUGIN_DRAFT: "MTP layer (plugin's BF16 draft)", VLLM_DRAFT: "MTP layer (vLLM's draft, stored)"}
+_DRAFT_ROWS = {
+    PLUGIN_DRAFT: "MTP layer (plugin's BF16 draft)",
+    PLUGIN_STORED_DRAFT: "MTP layer (plugin's, stored)",
+    VLLM_DRAFT: "MTP layer (vLLM's draft, stored)",
+}
+#: VLLM_DSV4_MTP_DRAFT_PRECISION's values -> the plugin draft each one runs
+PRECISION_DRAFTS = {"bf16": PLUGIN_DRAFT, "stored": PLUGIN_STORED_DRAFT}
+_PRECISION_NOTES = {"bf16": "every MTP tensor upcast", "stored": "as the checkpoint stores it"}
 
 
 class CapacityError(RuntimeError):
@@ -68,6 +80,8 @@ class CapacityReport:
     fits: bool
     left_gb: float
     kv_budget_gb: float  # budget - weights - reserve
+    draft_gb: dict[str, float] | None = None  # the plugin draft's GB per GPU per precision ("bf16", "stored")
+    bf16_kv_tokens: float | None = None  # the KV-cache tokens per GPU the BF16 draft costs over the stored one
 
 
 def _fmt_params(n: int) -> str:
@@ -118,6 +132,37 @@ def _weight_rows(table: WeightTable, par: Parallelism, runs: Runs) -> tuple[list
     return rows, weights
 
 
+def draft_trade(table: WeightTable, par: Parallelism, runs: Runs, kv_tok: float, kv_cache_dtype: str):
+    """Both plugin drafts' bytes per GPU and what BF16 costs in KV-cache tokens: ``(lines, {precision: bytes per
+    GPU}, tokens)``. The KV of one sequence is on every GPU of its TP group, so a GPU's bytes buy tokens at the
+    per-GPU rate ``kv_tok``."""
+    selected = next(k for k, v in PRECISION_DRAFTS.items() if v == runs.draft)
+    per_gpu, lines = {}, []
+    params = sum(p.params for p in table.mtp.values())
+    lines.append(
+        f"  MTP draft precision (VLLM_DSV4_MTP_DRAFT_PRECISION={selected}), the MTP layer's {_fmt_params(params)} "
+        f"parameters, per GPU at TP={par.tp}" + (f" PP={par.pp}" if par.pp > 1 else "") + ":"
+    )
+    for precision, draft in PRECISION_DRAFTS.items():
+        r = Runs(runs.target, draft, runs.dtype_bytes)
+        total, per_gpu[precision] = table.draft_bytes(par, r)
+        prec = "+".join(sorted({x for p in table.mtp.values() for x in p.precision_label(r.draft_stored).split("+")}))
+        tag = f"{precision}{' (selected)' if precision == selected else ''}"
+        lines.append(
+            _row(
+                f"  {tag:<17} {_PRECISION_NOTES[precision]:<28} {prec:<24} {total / GB:8.2f} GB in all",
+                per_gpu[precision],
+            )
+        )
+    cost = per_gpu["bf16"] - per_gpu["stored"]
+    tokens = cost / kv_tok
+    lines.append(
+        f"  bf16 draft costs {cost / GB:.2f} GB per GPU = {tokens:,.0f} KV-cache tokens "
+        f"({cost / GB:.2f} GB / {kv_tok:,.0f} B per token per GPU, {kv_cache_dtype} KV)"
+    )
+    return lines, per_gpu, tokens
+
+
 def check_capacity(
     model: str,
     *,
@@ -134,7 +179,8 @@ def check_capacity(
 ) -> CapacityReport | None:
     """The arithmetic for ``model`` on ``hardware``; None when there is no config to compute from.
 
-    ``draft`` is the plugin's (what ``dsv4-mtp serve`` starts); ``VLLM_DRAFT`` models vLLM's own draft."""
+    ``draft`` is the plugin's, BF16 (``PLUGIN_DRAFT``) or stored (``PLUGIN_STORED_DRAFT``): what ``dsv4-mtp serve``
+    starts under ``VLLM_DSV4_MTP_DRAFT_PRECISION``; ``VLLM_DRAFT`` models vLLM's own draft."""
     from vllm_dsv4_mtp.config import DeepseekV4Spec
 
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
@@ -191,7 +237,13 @@ def check_capacity(
         out.append(f"  does not fit: {-left / GB:.2f} GB per GPU short")
         out += _suggestions(table, par, mem, gpu_memory_utilization, reserve.gb * GB, kv_tok, length, runs, hw)
     out += _startup_note(hw, budget, gpu_memory_gb)
-    return CapacityReport(text="\n".join(out), fits=fits, left_gb=left / GB, kv_budget_gb=kv_budget / GB)
+    report = CapacityReport(text="", fits=fits, left_gb=left / GB, kv_budget_gb=kv_budget / GB)
+    if runs.draft in PRECISION_DRAFTS.values():
+        lines, per_gpu, report.bf16_kv_tokens = draft_trade(table, par, runs, kv_tok, kv_cache_dtype)
+        out += lines
+        report.draft_gb = {k: v / GB for k, v in per_gpu.items()}
+    report.text = "\n".join(out)
+    return report
 
 
 def _startup_note(hw: Hardware, budget: float, gpu_memory_gb: float | None) -> list[str]:

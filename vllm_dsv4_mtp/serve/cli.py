@@ -124,8 +124,12 @@ def _int_tokens(value) -> int | None:
 
 
 def capacity_report(cmd, gpu_memory_gb: float | None = None):
-    """The capacity arithmetic for a built command (None when the profile has no GPU or no config is known)."""
-    from vllm_dsv4_mtp.serve.capacity import Parallelism, check_capacity
+    """The capacity arithmetic for a built command (None when the profile has no GPU or no config is known).
+
+    The draft counted is the one the server's environment selects (``VLLM_DSV4_MTP_DRAFT_PRECISION``, read from
+    the environment the server will get, so ``--env`` and the caller's environment both count)."""
+    from vllm_dsv4_mtp.draft_policy import draft_precision
+    from vllm_dsv4_mtp.serve.capacity import PRECISION_DRAFTS, Parallelism, check_capacity
 
     if cmd.profile.hardware is None:
         return None
@@ -144,6 +148,7 @@ def capacity_report(cmd, gpu_memory_gb: float | None = None):
         kv_cache_dtype=str(cmd.flag("kv-cache-dtype", "auto")),
         mtp=cmd.mtp,
         gpu_memory_gb=gpu_memory_gb,
+        draft=PRECISION_DRAFTS[draft_precision(cmd.env)],
     )
 
 

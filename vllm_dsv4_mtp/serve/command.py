@@ -228,7 +228,9 @@ class ServeCommand:
     def what_runs(self) -> str:
         """Which model classes serve this command on the profile's hardware (the printed header says it)."""
         hw = HARDWARE.get(self.profile.hardware) if self.profile.hardware else None
-        draft = "the plugin's BF16 MTP (DeepSeekV4MTPModel)" if self.mtp else "none (no MTP speculative config)"
+        precision = self.env.get("VLLM_DSV4_MTP_DRAFT_PRECISION", "").strip().lower() or "bf16"
+        label = "BF16 MTP" if precision == "bf16" else f"MTP at VLLM_DSV4_MTP_DRAFT_PRECISION={precision}"
+        draft = f"the plugin's {label} (DeepSeekV4MTPModel)" if self.mtp else "none (no MTP speculative config)"
         if hw is not None and hw.implementation == platform.IN_TREE:
             return (
                 f"on {hw.name} (gfx950): target = vLLM's in-tree DeepseekV4ForCausalLM with AITER, at the "
@@ -280,6 +282,9 @@ def build_command(
         else:
             env[k] = v
             report.append((k, v, "profile"))
+    for k in sorted(environ):  # the plugin's own switches change what runs: say so even when the caller set them
+        if k.startswith("VLLM_DSV4_MTP_") and k not in profile.env:
+            report.append((k, environ[k], "environment"))
     for k, v in (env_overrides or {}).items():
         env[k] = v
         report = [r for r in report if r[0] != k] + [(k, v, "--env")]

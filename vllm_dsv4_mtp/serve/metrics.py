@@ -15,6 +15,13 @@ requests between two scrapes (what a benchmark wants). Library use::
     before = scrape(url); ...run requests...; m = scrape(url).since(before)
     m.mean_acceptance_length, m.per_position
 
+The plugin adds one sample of its own, ``dsv4_mtp_draft_precision{precision="bf16"} 1`` (or ``stored``): the
+``VLLM_DSV4_MTP_DRAFT_PRECISION`` the server's processes run the draft with, exported by the API server process
+(which reads the same environment the engine's processes inherit), so a client comparing servers can tell which
+draft each one runs without being told. Its name has no ``vllm:`` prefix: vLLM unregisters every collector named
+so when it builds its own. With ``--api-server-count`` > 1 vLLM serves ``/metrics`` from a multiprocess registry
+and the sample is absent.
+
 ``dsv4-mtp metrics URL [--json]`` prints them. No dependency beyond the standard library.
 """
 
@@ -35,6 +42,54 @@ ACCEPTED_PER_POS = PREFIX + "num_accepted_tokens_per_pos_total"
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+-?\d+)?$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+
+
+DRAFT_PRECISION_METRIC = "dsv4_mtp_draft_precision"
+
+_exported = False
+
+
+class _DraftPrecisionCollector:
+    """Read at every scrape, so the sample is the environment's value, never a copy taken at import."""
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        from vllm_dsv4_mtp.draft_policy import MtpPrecisionError, draft_precision
+
+        try:
+            precision = draft_precision()
+        except MtpPrecisionError:  # the draft refuses to start with it: no precision to report
+            return
+        g = GaugeMetricFamily(
+            DRAFT_PRECISION_METRIC,
+            "VLLM_DSV4_MTP_DRAFT_PRECISION of the plugin's MTP draft (1 for the value in use)",
+            labels=["precision"],
+        )
+        g.add_metric([precision], 1.0)
+        yield g
+
+
+def export_draft_precision() -> bool:
+    """Add the draft-precision sample to this process's default Prometheus registry, once; False without
+    prometheus_client (a process that serves no ``/metrics``)."""
+    global _exported
+    if _exported:
+        return True
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return False
+    REGISTRY.register(_DraftPrecisionCollector())
+    _exported = True
+    return True
+
+
+def draft_precision_from_metrics(text: str) -> str | None:
+    """The draft precision a server's ``/metrics`` reports, or None when it exports none."""
+    found = {s.labels.get("precision") for s in parse_prometheus_text(text) if s.name == DRAFT_PRECISION_METRIC}
+    found.discard(None)
+    return found.pop() if len(found) == 1 else None
 
 
 @dataclass(frozen=True)

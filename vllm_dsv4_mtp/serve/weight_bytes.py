@@ -11,6 +11,10 @@ What runs, and so what is counted (:class:`Runs`):
   tables, which stay as they are;
 * draft ``PLUGIN_DRAFT`` (both platforms): the plugin's MTP layer is BF16 by design (``draft_policy.py``
   decodes quantized MTP tensors at load), counted dense like the portable target;
+* draft ``PLUGIN_STORED_DRAFT``: the plugin's draft under ``VLLM_DSV4_MTP_DRAFT_PRECISION=stored``. On gfx950
+  it keeps the checkpoint's quantized weights as vLLM's own quant methods hold them, so its bytes are the
+  **stored** bytes; the portable draft decodes its weights either way (only its activations are rounded),
+  so there it is counted dense like ``PLUGIN_DRAFT``;
 * draft ``VLLM_DRAFT``: vLLM's (or ATOM's) own MTP draft at its **stored** precision. The plugin never runs
   it; it is here to model the public measurements the runtime reserve is derived from (``reserve.py``).
 
@@ -39,6 +43,7 @@ from vllm_dsv4_mtp import platform
 from vllm_dsv4_mtp.serve.profiles import KNOWN_CHECKPOINTS
 
 PLUGIN_DRAFT = "plugin"
+PLUGIN_STORED_DRAFT = "plugin-stored"
 VLLM_DRAFT = "vllm"
 
 TARGET_LABELS = {
@@ -47,6 +52,7 @@ TARGET_LABELS = {
 }
 DRAFT_LABELS = {
     PLUGIN_DRAFT: "the plugin's BF16 MTP draft (DeepSeekV4MTPModel)",
+    PLUGIN_STORED_DRAFT: "the plugin's MTP draft at the checkpoint's stored precision (DeepSeekV4MTPModel)",
     VLLM_DRAFT: "vLLM's own MTP draft at the checkpoint's stored precision",
 }
 _DTYPE_NAMES = {2: "bf16", 4: "fp32"}
@@ -86,6 +92,13 @@ class Runs:
 
     def draft_label(self) -> str:
         return "none (no speculative config)" if self.draft is None else DRAFT_LABELS[self.draft]
+
+    @property
+    def draft_stored(self) -> bool:
+        """Does the draft hold the MTP layer's stored bytes (rather than every tensor decoded dense)?"""
+        if self.draft == PLUGIN_STORED_DRAFT:
+            return self.target == platform.IN_TREE
+        return self.draft == VLLM_DRAFT
 
 
 # Parts of the model, in report order: (label, name test, how it is split).
@@ -157,12 +170,20 @@ class WeightTable:
         """``(component, part, stored?)`` for every part that runs, target first, in report order."""
         out = [("target", p, runs.target == platform.IN_TREE) for p in _ordered(self.target)]
         if runs.draft is not None:
-            out += [("draft", p, runs.draft == VLLM_DRAFT) for p in _ordered(self.mtp)]
+            out += [("draft", p, runs.draft_stored) for p in _ordered(self.mtp)]
         return out
 
     def per_gpu(self, par: Parallelism, runs: Runs) -> float:
         """Bytes per GPU of everything that runs."""
         return sum(p.nbytes(stored, runs.dtype_bytes) / p.ways(par) for _, p, stored in self.parts(runs))
+
+    def draft_bytes(self, par: Parallelism, runs: Runs) -> tuple[float, float]:
+        """The draft's ``(bytes in all, bytes per GPU)``; zeros without a draft."""
+        draft = [(p, s) for comp, p, s in self.parts(runs) if comp == "draft"]
+        return (
+            sum(p.nbytes(s, runs.dtype_bytes) for p, s in draft),
+            sum(p.nbytes(s, runs.dtype_bytes) / p.ways(par) for p, s in draft),
+        )
 
 
 def _ordered(parts: Mapping[str, PartBytes]) -> list[PartBytes]:

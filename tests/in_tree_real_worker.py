@@ -7,7 +7,8 @@ the plugin's ``DeepSeekV4MTPModel`` -- a subclass of vLLM's real ``DeepSeekV4MTP
 with MTP on, for every case of ``cases.json``, and write per case and rank what the test checks:
 
 * ``{case}.json``: ``error`` (the construction or load failure, as vLLM's message), ``fused_shared_expert``,
-  ``methods`` (each module's vLLM quant method class), ``quant_prefixes`` (the prefix and kind each layer asked
+  ``methods`` (each module's vLLM quant method class), ``schemes`` (by quant prefix: each Quark linear's scheme
+  class, each MoE's method class), ``quant_prefixes`` (the prefix and kind each layer asked
   the quantization config with), ``shapes`` (cases with ``meta``: each parameter's shape and owner class),
   ``logs`` (the plugin's INFO lines), ``kernel`` (the draft view's and the target's monokernel / moe_backend),
   ``forward`` (cases with ``forward``: tests/in_tree_forward.py);
@@ -145,6 +146,14 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
             and "Embedding" not in type(m).__name__
             and "LMHead" not in type(m).__name__
         )
+        # the scheme each layer got (a Quark linear's scheme class; otherwise the method class), by that prefix
+        result["schemes"] = {
+            getattr(m, "layer_name", None) or m.prefix: type(getattr(m, "scheme", None) or m.quant_method).__name__
+            for m in model.modules()
+            if getattr(m, "quant_method", None) is not None
+            and type(m.quant_method).__name__ != "UnquantizedEmbeddingMethod"
+            and (hasattr(m, "layer_name") or hasattr(m, "prefix"))
+        }
         layer = next(iter(model.model.layers.values()))
         result["kernel"] = {
             "target_monokernel": getattr(vc.kernel_config, "monokernel", None),

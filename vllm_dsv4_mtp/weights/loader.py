@@ -29,8 +29,16 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec, WeightSlot, weight_slots
-from vllm_dsv4_mtp.formats.dequant import DENSE, Decoded, Dequantizer, is_quantized_weight, scale_owner
-from vllm_dsv4_mtp.formats.finite import has_nonfinite
+from vllm_dsv4_mtp.formats.dequant import (
+    DENSE,
+    FP8_BLOCK,
+    MXFP4,
+    Decoded,
+    Dequantizer,
+    is_quantized_weight,
+    scale_owner,
+)
+from vllm_dsv4_mtp.formats.finite import has_nonfinite, stored_nonfinite
 from vllm_dsv4_mtp.weights.names import ParamRef
 
 logger = init_logger("vllm.dsv4_mtp.weights")
@@ -90,6 +98,8 @@ class CheckpointLoader:
         admit: called with every quantized weight and scale before it is used.
         not_from_checkpoint: parameter names filled by someone else (the draft's shared embedding and head).
         owns_expert: routed expert id -> held by this rank (default: :func:`expert_owner` of ``model``).
+        stored: quantized tensors go into the quant method's parameters as stored (``VLLM_DSV4_MTP_DRAFT_PRECISION
+            =stored``), each checked against its parameter, instead of being decoded (:meth:`_place_stored`).
     """
 
     def __init__(
@@ -104,6 +114,7 @@ class CheckpointLoader:
         admit: Admit | None = None,
         not_from_checkpoint: Iterable[str] = (),
         owns_expert: Callable[[int], bool] | None = None,
+        stored: bool = False,
     ):
         self.spec = spec
         self.scope = scope
@@ -120,6 +131,9 @@ class CheckpointLoader:
         self.owns_expert = owns_expert if owns_expert is not None else expert_owner(model)
         self.other_ranks = 0  # routed-expert tensors of experts another expert-parallel rank holds
         self.decoded: dict[str, int] = {}
+        self.stored = stored
+        self.unpaired: dict[str, str] = {}  # quantized weight <-> scale, waiting for its partner (stored)
+        self.kept: dict[str, int] = {}  # quantized weights loaded as stored, by scheme
 
     # --------------------------------------------------------------------------------------------- stream
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -130,11 +144,18 @@ class CheckpointLoader:
             if not self._held_here(name):
                 self.other_ranks += 1
                 continue
-            if self.admit is not None and (scale_owner(name) or is_quantized_weight(name, t)):
+            quantized = bool(scale_owner(name)) or is_quantized_weight(name, t)
+            if self.admit is not None and quantized:
                 self.admit(name, t)
+            if self.stored and quantized:
+                self._place_stored(name, t)
+                continue
             for d in self.dequantizer.feed(name, t):
                 self._place(d)
         self.dequantizer.finish()
+        if self.unpaired:
+            name, missing = next(iter(self.unpaired.items()))
+            raise self._err(f"{name}: its {missing} is missing from the checkpoint ({len(self.unpaired)} unpaired)")
         self._check_complete()
         return self.loaded | self.not_from_checkpoint
 
@@ -163,11 +184,44 @@ class CheckpointLoader:
         param = self.params.get(ref.param)
         if param is None:
             raise self._err(f"{d.name}: maps to {ref.param}, which this model does not have")
+        if self.stored and param.dtype not in _DENSE_PARAMS:
+            raise self._err(
+                f"{d.name}: stored {d.tensor.dtype}, but the draft's {ref.param} is {param.dtype}: "
+                "quantization_config declares this MTP module quantized"
+            )
         _store(param, ref, t.to(param.dtype) if t.is_floating_point() else t, d.name)
         self.seen.add(d.name)
         self.loaded.add(ref.param)
         if d.stored != DENSE:
             self.decoded[d.stored] = self.decoded.get(d.stored, 0) + 1
+
+    def _place_stored(self, name: str, t: torch.Tensor) -> None:
+        """One quantized weight or scale into its quant-method parameter, bytes as stored (``stored``)."""
+        owner = scale_owner(name)
+        weight = owner or name
+        try:
+            ref = self.param_for(weight)
+        except KeyError as e:
+            raise self._err(str(e.args[0])) from None
+        slot = self.slots.get(weight)
+        if slot is None:
+            raise self._err(f"{name}: unexpected tensor for this config (no {weight} in the DeepSeek-V4 layout)")
+        pname = ref.param + "_scale" if owner else ref.param
+        param = self.params.get(pname)
+        if param is None or (not owner and param.dtype in _DENSE_PARAMS):
+            raise self._err(
+                f"{name}: stored quantized ({t.dtype}), but the draft's {ref.param.rsplit('.', 1)[0]} was built "
+                "unquantized: quantization_config excludes this MTP module or gives it no scheme"
+            )
+        t = _as_stored(self._err, name, t, param, slot.shape, bool(owner))
+        _store(param, ParamRef(pname, ref.kind, ref.shard, ref.expert), t, name)
+        self.loaded.add(pname)
+        if self.unpaired.pop(weight, None) is None:
+            self.unpaired[weight] = "weight" if owner else "scale"
+        if not owner:
+            self.seen.add(weight)
+            kind = FP8_BLOCK if t.dtype == torch.float8_e4m3fn else MXFP4
+            self.kept[kind] = self.kept.get(kind, 0) + 1
 
     def _checked(self, slot: WeightSlot, d: Decoded) -> torch.Tensor:
         t, name = d.tensor, d.name
@@ -202,17 +256,49 @@ class CheckpointLoader:
                 f"parameter {unfilled[0]} received no tensor from the checkpoint ({len(unfilled)} such parameter(s))"
             )
         decoded = ", ".join(f"{n} {k}" for k, n in sorted(self.decoded.items()))
+        kept = ", ".join(f"{n} {k}" for k, n in sorted(self.kept.items()))
         elsewhere = f"; {self.other_ranks} of experts other expert-parallel ranks hold" if self.other_ranks else ""
         logger.info(
-            "DeepSeek-V4 %s weights loaded from %s: %d tensors%s (+%d of the %s skipped%s)",
+            "DeepSeek-V4 %s weights loaded from %s: %d tensors%s%s (+%d of the %s skipped%s)",
             self.scope,
             self.source,
             len(self.seen),
             f", decoded exactly at load: {decoded}" if decoded else "",
+            f", quantized as stored: {kept}" if kept else "",
             self.skipped,
             "draft" if self.scope == TARGET else "target",
             elsewhere,
         )
+
+
+_DENSE_PARAMS = (torch.bfloat16, torch.float32, torch.float16)
+_E8M0 = (torch.uint8, torch.float8_e8m0fnu)
+_ST_NAMES = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.uint8: "U8", torch.int8: "I8"}
+
+
+def _as_stored(err, name: str, t: torch.Tensor, param: nn.Parameter, logical: tuple[int, ...], scale: bool):
+    """``t`` checked against the quant method's parameter and the weight's logical ``[out, in]`` shape, and
+    viewed as the parameter's dtype where only the name of the type differs (E8M0 bytes as ``uint8``)."""
+    out, inp = logical
+    if scale:
+        fp8 = param.dtype != torch.uint8
+        want = (-(-out // 128), -(-inp // 128)) if fp8 else (out, inp // 32)
+        same = t.dtype == param.dtype or (t.dtype in _E8M0 and param.dtype in _E8M0)
+    else:
+        fp8 = param.dtype == torch.float8_e4m3fn
+        want = (out, inp) if fp8 else (out, inp // 2)
+        same = t.dtype == param.dtype
+    if not same:
+        raise err(
+            f"{name}: stored {t.dtype}, but the draft's quant method holds it as {param.dtype} "
+            f"({'FP8 block' if fp8 else 'MXFP4'} per quantization_config)"
+        )
+    if tuple(t.shape) != want:
+        raise err(f"{name}: expected shape {want} ({'FP8 block' if fp8 else 'MXFP4'}), got {tuple(t.shape)}")
+    bad = stored_nonfinite(name, _ST_NAMES.get(t.dtype, ""), t)
+    if bad:
+        raise err(f"{name}: {bad} (NaN codes); the checkpoint is corrupt")
+    return t.view(param.dtype) if t.dtype != param.dtype else t
 
 
 def _store(param: nn.Parameter, ref: ParamRef, t: torch.Tensor, name: str) -> None:

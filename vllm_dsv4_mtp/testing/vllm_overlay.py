@@ -35,8 +35,8 @@ def installed_vllm_dir() -> Path:
 
 def _link(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    if not dst.exists():
-        os.symlink(src, dst)
+    if not dst.exists():  # resolved: a link through a checkout's symlinked .cache dies with that checkout
+        os.symlink(src.resolve(), dst)
 
 
 def overlay_root(version: str, *, cache: Path | None = None) -> Path:

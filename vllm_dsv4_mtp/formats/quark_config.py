@@ -323,9 +323,9 @@ class QuarkQuantConfig:
         ``layer_type_quant_config`` is keyed by module class, which a checkpoint name does not carry; it is
         validated but not consulted here. Excluded names still get their config; see :meth:`spec_for`.
         """
-        return self._layer_entry(native_name)[1]
+        return self.layer_entry(native_name)[1]
 
-    def _layer_entry(self, native_name: str) -> tuple[str, dict[str, Any] | None]:
+    def layer_entry(self, native_name: str) -> tuple[str, dict[str, Any] | None]:
         """``(field path for messages, LAYER config)`` of :meth:`layer_config_for`."""
         mod = module_name(native_name)
         for pattern, cfg in self.layer_quant_config.items():
@@ -337,7 +337,7 @@ class QuarkQuantConfig:
         """Storage precision Quark declares for a module: "mxfp4" | "fp8-block" | None (unquantized/excluded)."""
         if self.is_excluded(native_name):
             return None
-        path, cfg = self._layer_entry(native_name)
+        path, cfg = self.layer_entry(native_name)
         if cfg is None:
             return None
         try:

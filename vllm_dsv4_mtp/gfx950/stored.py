@@ -79,7 +79,7 @@ def _resolve(quark: QuarkQuantConfig, module: DraftModule) -> tuple[str, dict[st
         if quark.is_excluded(name):
             seen[name] = ("exclude", None)
         else:
-            seen[name] = quark._layer_entry(name)
+            seen[name] = quark.layer_entry(name)
     first, (path, cfg) = next(iter(seen.items()))
     for name, (p, c) in seen.items():
         if c != cfg:

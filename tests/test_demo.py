@@ -22,7 +22,7 @@ from vllm_dsv4_mtp.cli import main
 from vllm_dsv4_mtp.embedded import MXFP4_CHECKPOINT_DIR
 from vllm_dsv4_mtp.evaluate import common
 from vllm_dsv4_mtp.evaluate.client import complete
-from vllm_dsv4_mtp.evaluate.demo import ask_all, summarize
+from vllm_dsv4_mtp.evaluate.demo import ask_all, draw_problems, measured_line, summarize
 
 DSV4_MTP = str(Path(sys.executable).parent / "dsv4-mtp")
 
@@ -127,6 +127,16 @@ def within_printed(value: float, lo: float, hi: float, step: float) -> bool:
     return lo - step / 2 - 1e-9 <= value <= hi + step / 2 + 1e-9
 
 
+def test_draws_are_seeded_distinct_and_cover_the_held_out_set():
+    pool = common.load_problems()
+    assert len(pool) >= 1000
+    a, b = draw_problems(pool, 5, 1), draw_problems(pool, 5, 2)
+    assert a == draw_problems(pool, 5, 1) and a != b
+    assert len({p["question"] for p in a}) == 5 and all(p in pool for p in a)
+    seen = {p["question"] for s in range(400) for p in draw_problems(pool, 5, s)}
+    assert len(seen) > len(pool) // 2  # not a fixed few: the draws spread over the whole set
+
+
 def test_demo_without_the_embedded_checkpoint_says_pass_model(monkeypatch, tmp_path, capsys):
     """An installed wheel carries no assets: the demo names the missing directory and the flag, serves nothing."""
     missing = tmp_path / "tiny-dsv4-mxfp4"
@@ -143,14 +153,21 @@ def test_demo_without_the_embedded_checkpoint_says_pass_model(monkeypatch, tmp_p
 # --------------------------------------------------------------------------------------- the real demo
 @pytest.mark.engine
 def test_demo_end_to_end(tmp_path):
-    n = 2
-    r = procs.run([DSV4_MTP, "demo", "--num-problems", str(n), "--log-dir", str(tmp_path)], timeout=1500)
+    n, seed = 2, 7
+    r = procs.run(
+        [DSV4_MTP, "demo", "--num-problems", str(n), "--seed", str(seed), "--log-dir", str(tmp_path)], timeout=1500
+    )
     out = r.stdout
     assert r.returncode == 0, out[-4000:] + r.stderr[-4000:]
     # the shipped checkpoint, never a stand-in
     assert "the embedded tiny DeepSeek-V4, MXFP4 experts" in out
     assert f"  checkpoint: {MXFP4_CHECKPOINT_DIR}\n" in out
-    problems = common.load_problems(limit=n)
+    # problems drawn at random from the held-out set, the draw named by its seed
+    assert f"{n} held-out problems drawn with --seed {seed}," in out
+    problems = draw_problems(common.load_problems(), n, seed)
+    assert problems != common.load_problems(limit=n)
+    # beside its own tally, what the model scored over the whole held-out set
+    assert measured_line(0) in out and "held-out accuracy measured over all " in measured_line(0)
     # every problem asked, answered, and judged by its #### value against the reference
     verdicts = re.findall(
         r"^    -> (.+?): (RIGHT|WRONG) \(expected (\S+)\) \| acceptance length (\S+) \| (\d+) tokens", out, re.M

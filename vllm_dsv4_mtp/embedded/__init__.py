@@ -15,3 +15,4 @@ BF16_CHECKPOINT_DIR = ASSETS_DIR / "tiny-dsv4-bf16"
 MXFP4_CHECKPOINT_DIR = ASSETS_DIR / "tiny-dsv4-mxfp4"
 TEST_JSONL = ASSETS_DIR / "gsm_tiny_test.jsonl"
 FEWSHOT_JSONL = ASSETS_DIR / "gsm_tiny_fewshot.jsonl"
+MEASURED_JSON = ASSETS_DIR / "measured.json"  # the shipped model's held-out accuracy (embedded.training.record)

@@ -79,13 +79,60 @@ def _two_people(rng: random.Random) -> tuple[tuple[str, str], tuple[str, str]]:
     return a, b
 
 
+# ------------------------------------------------------------------------------------- written-out sums
+# A sum or difference with a two- or three-digit operand is worked column by column first, ones first, as
+# a child writes it: each column is one fact of a single-digit table (with the carry or borrow written as a
+# third operand), and the result is read back from the columns. A model of a few million parameters learns
+# single-digit tables and copying quickly; a two-digit sum written in one go needs the carry before the
+# tens digit is written, which it learns slowly (the previous recipe's errors were almost all such digits).
+
+
+def _digits(n: int, width: int) -> list[int]:
+    """Digits of ``n``, ones first, padded with zeros to ``width``."""
+    return [(n // 10**i) % 10 for i in range(width)]
+
+
+def columns_add(a: int, b: int) -> str:
+    """``34 + 19`` -> ``4 + 9 = 13, 3 + 1 + 1 = 5`` (the carry is the tens digit of the column before)."""
+    width = max(len(str(a)), len(str(b)))
+    parts, carry = [], 0
+    for i, (x, y) in enumerate(zip(_digits(a, width), _digits(b, width))):
+        s = x + y + carry
+        parts.append(f"{x} + {y} = {s}" if i == 0 else f"{x} + {y} + {carry} = {s}")
+        carry = s // 10
+    return ", ".join(parts)
+
+
+def columns_sub(a: int, b: int) -> str:
+    """``34 - 6`` -> ``14 - 6 = 8, 3 - 0 - 1 = 2`` (a borrowed ten is written as the leading 1; the borrow is
+    taken from the next column as its third operand). Needs ``a >= b``."""
+    width = len(str(a))
+    parts, borrow = [], 0
+    for i, (x, y) in enumerate(zip(_digits(a, width), _digits(b, width))):
+        d, top, nxt = x - y - borrow, f"{x}", 0
+        if d < 0:
+            d, top, nxt = d + 10, f"1{x}", 1
+        parts.append(f"{top} - {y} = {d}" if i == 0 else f"{top} - {y} - {borrow} = {d}")
+        borrow = nxt
+    return ", ".join(parts)
+
+
+def worked(a: int, op: str, b: int) -> str:
+    """The written-out columns of ``a op b`` as a sentence (empty when both are single digits: a table fact)."""
+    if a < 10 and b < 10:
+        return ""
+    cols = columns_add(a, b) if op == "+" else columns_sub(a, b)
+    return f"{a} {op} {b}: {cols}."
+
+
 def _answer(steps: list[str], result: int) -> str:
-    return "\n".join(steps) + f"\n#### {result}"
+    return "\n".join(s for s in steps if s) + f"\n#### {result}"
 
 
 # ---------------------------------------------------------------------------------------------- templates
 # Each template draws its numbers, then writes the question and a short step-by-step solution. The
-# arithmetic is always written "a op b = c" so the model sees every computation spelled out.
+# arithmetic is always written "a op b = c" so the model sees every computation spelled out, after its
+# worked columns where it has more than one digit (``worked``).
 
 
 def t_add(rng: random.Random) -> Problem:
@@ -93,7 +140,7 @@ def t_add(rng: random.Random) -> Problem:
     a, b = rng.randint(2, 40), rng.randint(2, 30)
     c = a + b
     q = f"{name} has {a} {items}. {he} gets {b} more {items}. How many {items} does {name} have now?"
-    return {"question": q, "answer": _answer([f"{name} has {a} + {b} = {c} {items} now."], c)}
+    return {"question": q, "answer": _answer([worked(a, "+", b), f"{name} has {a} + {b} = {c} {items} now."], c)}
 
 
 def t_sub(rng: random.Random) -> Problem:
@@ -102,7 +149,7 @@ def t_sub(rng: random.Random) -> Problem:
     b = rng.randint(2, a - 1)
     c = a - b
     q = f"{name} had {a} {items}. {he} gave {b} {items} to {other}. How many {items} does {name} have left?"
-    return {"question": q, "answer": _answer([f"{name} has {a} - {b} = {c} {items} left."], c)}
+    return {"question": q, "answer": _answer([worked(a, "-", b), f"{name} has {a} - {b} = {c} {items} left."], c)}
 
 
 def t_shop(rng: random.Random) -> Problem:
@@ -120,7 +167,11 @@ def t_shop_change(rng: random.Random) -> Problem:
     money = cost + rng.randint(1, 40)
     left = money - cost
     q = f"{name} has ${money}. {he} buys {n} {items} for ${price} each. How much money does {name} have left?"
-    steps = [f"The {items} cost {n} * {price} = ${cost}.", f"{name} has {money} - {cost} = ${left} left."]
+    steps = [
+        f"The {items} cost {n} * {price} = ${cost}.",
+        worked(money, "-", cost),
+        f"{name} has {money} - {cost} = ${left} left.",
+    ]
     return {"question": q, "answer": _answer(steps, left)}
 
 
@@ -131,7 +182,11 @@ def t_shop_two(rng: random.Random) -> Problem:
     cost = n * price
     total = cost + extra
     q = f"{name} buys {n} {items} for ${price} each and a bag for ${extra}. How much money does {name} spend in total?"
-    steps = [f"The {items} cost {n} * {price} = ${cost}.", f"In total {name} spends {cost} + {extra} = ${total}."]
+    steps = [
+        f"The {items} cost {n} * {price} = ${cost}.",
+        worked(cost, "+", extra),
+        f"In total {name} spends {cost} + {extra} = ${total}.",
+    ]
     return {"question": q, "answer": _answer(steps, total)}
 
 
@@ -153,7 +208,11 @@ def t_share_two(rng: random.Random) -> Problem:
         f"{name} has {start} {items}. {he} keeps {eat} and shares the rest equally among {k} friends. "
         f"How many {items} does each friend get?"
     )
-    steps = [f"{name} shares {start} - {eat} = {total} {items}.", f"Each friend gets {total} / {k} = {each} {items}."]
+    steps = [
+        worked(start, "-", eat),
+        f"{name} shares {start} - {eat} = {total} {items}.",
+        f"Each friend gets {total} / {k} = {each} {items}.",
+    ]
     return {"question": q, "answer": _answer(steps, each)}
 
 
@@ -191,7 +250,11 @@ def t_boxes(rng: random.Random) -> Problem:
         f"{name} has {n} {box} with {per} {items} in each. {he} also has {loose} more {items}. "
         f"How many {items} does {name} have in total?"
     )
-    steps = [f"The {box} hold {n} * {per} = {inside} {items}.", f"{name} has {inside} + {loose} = {total} {items}."]
+    steps = [
+        f"The {box} hold {n} * {per} = {inside} {items}.",
+        worked(inside, "+", loose),
+        f"{name} has {inside} + {loose} = {total} {items}.",
+    ]
     return {"question": q, "answer": _answer(steps, total)}
 
 
@@ -202,7 +265,12 @@ def t_add_sub(rng: random.Random) -> Problem:
     c = rng.randint(1, mid - 1)
     end = mid - c
     q = f"{name} had {a} {items}. {he} found {b} more and then lost {c}. How many {items} does {name} have now?"
-    steps = [f"After finding {items} {name} has {a} + {b} = {mid}.", f"Then {name} has {mid} - {c} = {end} {items}."]
+    steps = [
+        worked(a, "+", b),
+        f"After finding {items} {name} has {a} + {b} = {mid}.",
+        worked(mid, "-", c),
+        f"Then {name} has {mid} - {c} = {end} {items}.",
+    ]
     return {"question": q, "answer": _answer(steps, end)}
 
 
@@ -228,7 +296,7 @@ def problems(seed: int) -> Iterator[Problem]:
         yield rng.choice(TEMPLATES)(rng)
 
 
-def make_splits(seed: int = 0, n_train: int = 20000, n_test: int = 300) -> tuple[list[Problem], list[Problem]]:
+def make_splits(seed: int = 0, n_train: int = 20000, n_test: int = 1000) -> tuple[list[Problem], list[Problem]]:
     """Train and held-out splits. Held-out questions are unique and never appear in train.
 
     The held-out stream uses seed ``2*seed+1`` and train ``2*seed``; train skips any question that is in
@@ -291,7 +359,7 @@ def build_assets(
     out_dir: Path,
     seed: int = 0,
     n_train: int = 20000,
-    n_test: int = 300,
+    n_test: int = 1000,
     n_fewshot: int = 16,
     vocab_size: int = 1024,
     write_train: bool = False,
@@ -311,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-train", type=int, default=20000)
-    ap.add_argument("--n-test", type=int, default=300)
+    ap.add_argument("--n-test", type=int, default=1000)
     ap.add_argument("--vocab-size", type=int, default=1024)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "assets")
     ap.add_argument("--write-train", action="store_true", help="also write gsm_tiny_train.jsonl")

@@ -2,10 +2,12 @@
 plugin and its BF16 MTP draft (K = 2), answering held-out problems.
 
 It serves the model through ``dsv4-mtp serve --profile cpu-tiny`` (MTP K=2), asks a handful of held-out
-problems one at a time (greedy, stop at the blank line that ends an answer), and prints each answer, whether
-its ``#### N`` is right, the acceptance length of that request (from the server's ``/metrics``) and its
-speed; then serves the same model with MTP off, asks the same problems, and prints tokens/s with and
-without MTP and whether the answers are identical (greedy speculative decoding must not change them).
+problems (drawn at random from the held-out set with a printed seed; ``--seed`` repeats a draw) one at a time
+(greedy, stop at the blank line that ends an answer), and prints each answer, whether its ``#### N`` is right,
+the acceptance length of that request (from the server's ``/metrics``) and its speed; then serves the same model
+with MTP off, asks the same problems, and prints tokens/s with and without MTP and whether the answers are
+identical (greedy speculative decoding must not change them), beside the held-out accuracy the model was measured
+at over the whole set (``embedded/assets/measured.json``).
 
 Both runs are measured the same way: decode tokens/s = answer tokens after the first / the engine's
 first-to-last-token time (:mod:`.engine_clock`), end-to-end tokens/s = answer tokens / the client's
@@ -15,6 +17,9 @@ request-to-last-chunk time, each a ratio of sums over the run.
 from __future__ import annotations
 
 import argparse
+import json
+import random
+import secrets
 import statistics
 import sys
 import tempfile
@@ -125,8 +130,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", help="checkpoint directory (default: the embedded MXFP4 model)")
     p.add_argument("--mtp-k", type=int, default=2, help="draft tokens K (default 2)")
     p.add_argument("--num-problems", type=int, default=5, help="held-out problems to ask (default 5)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the random draw of problems (default: a new one)")
     p.add_argument("--num-fewshot", type=int, default=0, help="solved examples before each question (default 0)")
-    p.add_argument("--max-tokens", type=int, default=96, help="answer length limit (default 96)")
+    p.add_argument("--max-tokens", type=int, default=128, help="answer length limit (default 128)")
     p.add_argument("--no-baseline", action="store_true", help="skip the MTP-off run (no tokens/s comparison)")
     p.add_argument("--profile", default="cpu-tiny", help="dsv4-mtp serve profile (default cpu-tiny)")
     p.add_argument("--log-dir", type=Path, default=None, help="where the server logs go (default: a temp dir)")
@@ -154,15 +160,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsv4-mtp demo: error: {e}", file=sys.stderr)
         return 2
     k: int | None = args.mtp_k
-    problems = load_problems(limit=args.num_problems)
+    seed = args.seed if args.seed is not None else secrets.randbelow(10**6)
+    problems = draw_problems(load_problems(), args.num_problems, seed)
     fewshot = fewshot_examples(args.num_fewshot)
     prompts = [prompt_for(p, fewshot) for p in problems]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="dsv4-demo-logs-"))
 
     print(
         f"dsv4-mtp demo: {described}\n  checkpoint: {model}\n  serving with vLLM on CPU through "
-        f"`dsv4-mtp serve --profile {args.profile}`, {spec_label(k)}; {len(problems)} held-out problems, "
-        f"{args.num_fewshot}-shot, greedy",
+        f"`dsv4-mtp serve --profile {args.profile}`, {spec_label(k)}; {len(problems)} held-out problems drawn "
+        f"with --seed {seed}, {args.num_fewshot}-shot, greedy",
         flush=True,
     )
 
@@ -199,7 +206,33 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsv4-mtp demo: error: {e}", file=sys.stderr)
         return 1
     print_summary(described, runs, k)
+    if not args.model:
+        print(f"   {measured_line(args.num_fewshot)}")
     return 0
+
+
+def draw_problems(pool: list[dict], n: int, seed: int) -> list[dict]:
+    """``n`` distinct problems of ``pool``, in the order a ``random.Random(seed)`` draws them."""
+    return random.Random(seed).sample(pool, min(n, len(pool)))
+
+
+def measured_line(num_fewshot: int) -> str:
+    """What the shipped model scored over the whole held-out set, as recorded in ``embedded/assets/measured.json``
+    by ``embedded.training.record`` from a ``dsv4-mtp eval --ab`` run."""
+    from vllm_dsv4_mtp.embedded import MEASURED_JSON
+
+    try:
+        rec = json.loads(MEASURED_JSON.read_text())
+    except (OSError, ValueError) as e:
+        return f"held-out accuracy of the whole set: not recorded ({MEASURED_JSON}: {e})"
+    runs = {r["label"]: r for r in rec["runs"]}
+    row = runs.get("MXFP4 MTP K=2") or next(iter(runs.values()))
+    shots = "" if rec["num_fewshot"] == num_fewshot else f", {rec['num_fewshot']}-shot"
+    return (
+        f"held-out accuracy measured over all {row['n']} problems ({row['label']}{shots}, {rec['commit']}): "
+        f"{row['correct']}/{row['n']} = {100 * row['accuracy']:.1f} % (95 % interval {100 * row['ci95'][0]:.1f}"
+        f"-{100 * row['ci95'][1]:.1f} %)"
+    )
 
 
 def print_summary(described: str, runs: dict[str, list[Answer]], k: int | None) -> None:

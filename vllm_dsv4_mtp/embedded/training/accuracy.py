@@ -40,7 +40,7 @@ def load(ckpt_dir: Path):
 
 
 @torch.no_grad()
-def greedy(model, tok, prompt: str, max_new_tokens: int = 80) -> tuple[list[int], list[int], str]:
+def greedy(model, tok, prompt: str, max_new_tokens: int = 128) -> tuple[list[int], list[int], str]:
     """Greedy continuation until a blank line (lm-eval's few-shot delimiter) or EOS.
     Returns (prompt ids, generated ids, generated text up to the stop)."""
     from transformers.cache_utils import DynamicCache

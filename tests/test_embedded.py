@@ -253,3 +253,30 @@ def test_the_recorded_held_out_accuracy_is_of_the_shipped_weights():
     for label, r in runs.items():
         assert r["weights"] == digests[label.split()[0]], label
         assert r["n"] == len(gsm.read_jsonl(TEST_JSONL)) and 0 <= r["correct"] <= r["n"]
+
+
+def test_retrain_runs_its_whole_recipe_into_a_folder_of_its_own(tmp_path):
+    """``training.retrain``, the one command behind the shipped assets, for 2 steps: data and tokenizer byte for
+    byte the shipped ones, a BF16 checkpoint in the shipped layout, its MXFP4 twin; the shipped assets untouched."""
+    import subprocess
+    import sys
+
+    shipped = {f: f.read_bytes() for f in BF16_CHECKPOINT_DIR.iterdir()}
+    out = tmp_path / "assets"
+    r = subprocess.run(
+        [sys.executable, "-m", "vllm_dsv4_mtp.embedded.training.retrain", "--steps", "2", "--work", str(tmp_path / "w")]
+        + ["--assets", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for rel in ("gsm_tiny_test.jsonl", "gsm_tiny_fewshot.jsonl", "tokenizer/tokenizer.json"):
+        assert (out / rel).read_bytes() == (ASSETS_DIR / rel).read_bytes(), rel
+    assert set(_header(out / "tiny-dsv4-bf16")) == set(_header(BF16_CHECKPOINT_DIR))
+    assert set(_header(out / "tiny-dsv4-mxfp4")) == set(_header(MXFP4_CHECKPOINT_DIR))
+    first = json.loads(next(x for x in (tmp_path / "w" / "train.log").read_text().splitlines() if x.startswith("{")))
+    # the shipped run's first logged step (embedded/README.md): same seed, data order and thread count
+    assert first["step"] == 1 and abs(first["loss"] - 6.4813) < 1e-3, first
+    assert torch.load(tmp_path / "w" / "state.pt", weights_only=False)["step"] == 2
+    assert {f: f.read_bytes() for f in BF16_CHECKPOINT_DIR.iterdir()} == shipped

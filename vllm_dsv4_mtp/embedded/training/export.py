@@ -72,13 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Export a training state.pt as the native BF16 checkpoint.")
     ap.add_argument("--state", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=BF16_CHECKPOINT_DIR)
+    ap.add_argument("--assets", type=Path, default=ASSETS_DIR, help="where data.py wrote the tokenizer")
     args = ap.parse_args(argv)
     st = torch.load(args.state, weights_only=False)
     config = st.get("config", MODEL_CONFIG)
     model, mtp = build_models(config, seed=0)
     model.load_state_dict(st["model"])
     mtp.load_state_dict(st["mtp"])
-    export_checkpoint(model, mtp, config, ASSETS_DIR / "tokenizer", args.out)
+    export_checkpoint(model, mtp, config, args.assets / "tokenizer", args.out)
     print(f"exported step {st['step']} -> {args.out}")
     return 0
 

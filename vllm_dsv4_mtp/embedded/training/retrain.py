@@ -21,15 +21,19 @@ from pathlib import Path
 from .. import ASSETS_DIR, BF16_CHECKPOINT_DIR, MXFP4_CHECKPOINT_DIR
 
 
-def steps(seed: int, work: Path, train_steps: int, threads: int, resume: bool) -> list[list[str]]:
+def steps(seed: int, work: Path, train_steps: int, threads: int, resume: bool, assets: Path) -> list[list[str]]:
+    """The commands, in order; ``assets`` is the shipped assets folder unless a test writes elsewhere."""
     py = sys.executable
+    bf16, mxfp4 = assets / BF16_CHECKPOINT_DIR.name, assets / MXFP4_CHECKPOINT_DIR.name
     train = [py, "-m", "vllm_dsv4_mtp.embedded.training.train", "--seed", str(seed), "--steps", str(train_steps)]
-    train += ["--threads", str(threads), "--out", str(work), "--no-export"] + (["--resume"] if resume else [])
+    train += ["--threads", str(threads), "--out", str(work), "--no-export", "--assets", str(assets)]
+    export = [py, "-m", "vllm_dsv4_mtp.embedded.training.export", "--state", str(work / "state.pt")]
+    export += ["--assets", str(assets), "--out", str(bf16)]
     return [
-        [py, "-m", "vllm_dsv4_mtp.embedded.data", "--seed", str(seed), "--out", str(ASSETS_DIR)],
-        train,
-        [py, "-m", "vllm_dsv4_mtp.embedded.training.export", "--state", str(work / "state.pt")],
-        [py, "-m", "vllm_dsv4_mtp.cli", "quantize", str(BF16_CHECKPOINT_DIR), str(MXFP4_CHECKPOINT_DIR), "--force"],
+        [py, "-m", "vllm_dsv4_mtp.embedded.data", "--seed", str(seed), "--out", str(assets)],
+        train + (["--resume"] if resume else []),
+        export,
+        [py, "-m", "vllm_dsv4_mtp.cli", "quantize", str(bf16), str(mxfp4), "--force"],
     ]
 
 
@@ -40,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--assets", type=Path, default=ASSETS_DIR, help="output folder (default: the shipped assets)")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    for cmd in steps(args.seed, args.work, args.steps, args.threads, args.resume):
+    for cmd in steps(args.seed, args.work, args.steps, args.threads, args.resume, args.assets):
         print("# " + " ".join(cmd), flush=True)
         if "vllm_dsv4_mtp.embedded.training.train" in cmd:  # its loss log goes where the README reads it
             with open(args.work / "train.log", "a") as log:

@@ -120,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--export", type=Path, default=BF16_CHECKPOINT_DIR)
+    ap.add_argument("--assets", type=Path, default=ASSETS_DIR, help="where data.py wrote the tokenizer")
     ap.add_argument("--no-export", action="store_true")
     return ap
 
@@ -158,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    tok_dir = ASSETS_DIR / "tokenizer"
+    tok_dir = args.assets / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
-        gsm.build_assets(ASSETS_DIR, seed=args.seed)
+        gsm.build_assets(args.assets, seed=args.seed)
     tok = load_tokenizer(tok_dir)
     if tok.get_vocab_size() > MODEL_CONFIG["vocab_size"]:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens > vocab_size {MODEL_CONFIG['vocab_size']}")

@@ -229,7 +229,7 @@ def measured_line(num_fewshot: int) -> str:
     row = runs.get("MXFP4 MTP K=2") or next(iter(runs.values()))
     shots = "" if rec["num_fewshot"] == num_fewshot else f", {rec['num_fewshot']}-shot"
     return (
-        f"held-out accuracy measured over all {row['n']} problems ({row['label']}{shots}, {rec['commit']}): "
+        f"held-out accuracy measured over all {row['n']} problems ({row['label']}{shots}, dsv4-mtp eval --ab): "
         f"{row['correct']}/{row['n']} = {100 * row['accuracy']:.1f} % (95 % interval {100 * row['ci95'][0]:.1f}"
         f"-{100 * row['ci95'][1]:.1f} %)"
     )

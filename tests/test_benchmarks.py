@@ -97,7 +97,6 @@ def test_decode_step_measures_the_floors_own_k2_step_with_a_one_layer_draft(tmp_
     for b, m in floor["mtp"].items():
         assert m["requests"] == (8 if b == "1" else 64)
         assert 1.0 <= m["mean_acceptance_length"] < 1.5  # a random draft: next to nothing accepted
-        # two draft forwards and a 3-token verify cost more than one plain step
         # one repetition: the speedup is its off / on, the K=2 step the acceptance length over the speedup
         assert (m["off_s_reps"], m["on_s_reps"]) == ([m["off_s"]], [m["on_s"]])
         acc, speedup = m["mean_acceptance_length"], m["speedup"]
@@ -106,7 +105,8 @@ def test_decode_step_measures_the_floors_own_k2_step_with_a_one_layer_draft(tmp_
         assert speedup == pytest.approx(off / on, abs=5e-4 + 5e-4 * speedup * (1 / off + 1 / on) + 1e-6)
         want = acc / speedup
         assert m["step_in_off_steps"] == pytest.approx(want, abs=want * 5e-4 * (1 / acc + 1 / speedup) + 5e-4 + 1e-6)
-        assert m["step_in_off_steps"] > 1.0
+        # not asserted: that the K=2 step costs more than one plain step. That is a speed claim (docs/benchmarks.md
+        # holds the measured ratio); one repetition on a shared 2-core machine can invert it
         # the engine core's two phases lie inside each timed generate call (3 decimals each, hence the 2 ms)
         for w in ("off", "on"):
             assert m["first_token_s"][w] > 0 and m["decode_s"][w] > 0

@@ -65,13 +65,18 @@ def plan_url_runs(servers: list[str], baseline: str | None) -> list[AbRun]:
 
 
 def probe(run: AbRun) -> None:
-    """MTP setting and draft precision from the server's ``/metrics`` (no draft: no precision)."""
-    from vllm_dsv4_mtp.serve.metrics import draft_precision_from_metrics, fetch_metrics_text
+    """MTP setting and draft precision from one read of the server's ``/metrics``: ``off`` when it exports no
+    spec-decode counters, else ``K=k`` from its per-position counters; no draft, no precision."""
+    from vllm_dsv4_mtp.serve.metrics import draft_precision_from_metrics, fetch_metrics_text, spec_decode_metrics
 
     from .server import server_root
 
-    run.mtp = mtp_from_metrics(run.base_url)
     text = fetch_metrics_text(server_root(run.base_url))
+    m = spec_decode_metrics(text)
+    if m is None:
+        run.mtp = "off"
+    else:
+        run.mtp = f"K={len(m.accepted_per_position)}" if m.accepted_per_position else "on"
     run.precision = None if run.mtp == "off" else draft_precision_from_metrics(text)
 
 
@@ -135,18 +140,6 @@ def _set_baseline(runs: list[AbRun], baseline: str) -> None:
         r.baseline = None if r.label == baseline else baseline
 
 
-def mtp_from_metrics(base_url: str) -> str:
-    """``off`` when the server exports no spec-decode counters, else ``K=k`` from its per-position counters."""
-    from vllm_dsv4_mtp.serve.metrics import scrape
-
-    from .server import server_root
-
-    m = scrape(server_root(base_url))
-    if m is None:
-        return "off"
-    return f"K={len(m.accepted_per_position)}" if m.accepted_per_position else "on"
-
-
 def evaluate_run(run: AbRun, args, include: Path | None) -> None:
     from .eval_runs import evaluate_server, lmeval_run
     from .lmeval import read_samples
@@ -155,8 +148,7 @@ def evaluate_run(run: AbRun, args, include: Path | None) -> None:
     out_dir = Path(args.out) / _slug(run.label)
     if run.base_url is not None:
         wait_healthy(run.base_url, args.wait)
-        run.model = args.model or served_model_name(run.base_url)
-        probe(run)
+        run.model = args.model or served_model_name(run.base_url)  # probed by label_by_precision
         run.result = evaluate_server(lmeval_run(args, run.base_url, run.model, out_dir, include))
         speed_sweep(run, args)
     else:
@@ -308,6 +300,7 @@ def write_outputs(out: Path, runs: list[AbRun], args, text: str, memory: dict | 
     from .common import machine
 
     out.mkdir(parents=True, exist_ok=True)
+    strict = {r.label: strict_interval(r.result["score"]) for r in runs}
     rows = [
         {
             "label": r.label,
@@ -320,8 +313,8 @@ def write_outputs(out: Path, runs: list[AbRun], args, text: str, memory: dict | 
             "checkpoint_dir": getattr(r.spec, "model", None),
             "baseline": r.baseline,
             **r.result,
-            "strict_correct": strict_interval(r.result["score"])[0],
-            "strict_ci95": strict_interval(r.result["score"])[1],
+            "strict_correct": strict[r.label][0],
+            "strict_ci95": strict[r.label][1],
             "identical_to_baseline": r.identical,
             "differing_doc_ids": r.differing,
         }

@@ -64,16 +64,24 @@ class Dequantizer:
         self._pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
 
     def feed(self, name: str, t: torch.Tensor) -> Iterator[Decoded]:
-        owner = scale_owner(name)
-        if owner is None and not is_quantized_weight(name, t):
+        if scale_owner(name) is None and not is_quantized_weight(name, t):
             yield Decoded(name, t, DENSE)
             return
+        paired = self.pair(name, t)
+        if paired is not None:
+            yield self._decode(*paired)
+
+    def pair(self, name: str, t: torch.Tensor) -> tuple[str, torch.Tensor, str, torch.Tensor] | None:
+        """Hold a quantized weight or its scale until the other arrives; then ``(weight name, weight, scale name,
+        scale)``. :meth:`finish` names what never found its partner."""
+        owner = scale_owner(name)
         key = owner or name
         entry = self._pending.setdefault(key, {})
         entry["scale" if owner else "weight"] = (name, t)
-        if len(entry) == 2:
-            del self._pending[key]
-            yield self._decode(key, entry["weight"][1], *entry["scale"])
+        if len(entry) < 2:
+            return None
+        del self._pending[key]
+        return key, entry["weight"][1], *entry["scale"]
 
     def finish(self) -> None:
         if not self._pending:

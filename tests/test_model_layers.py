@@ -210,14 +210,16 @@ def test_attention_matches_hf(tmp_path, ratios, lid):
 @pytest.mark.usefixtures("vllm_dist")
 def test_attention_chunked_queries_equal_full(tmp_path, monkeypatch, flash, union_picks):
     """Queries processed in pieces (as chunked prefill, decodes and verify windows do, over rows 0..end) give
-    the same output. Every segment attends through the compiled kernel (``model/sink_kernel.py``); the same
+    the same output. Every segment attends through the compiled kernel (``cpu/sink_loop.py``); the same
     steps through torch's flash kernel (``flash``, the path where the kernel is not usable) give it too,
     with decodes and verify windows folding their queries' C4 picks into one key set (``UNION_PICKS``) and with
     each query's picks as a set of its own (``union_picks=0``)."""
     from vllm_dsv4_mtp.model import attention
 
     if flash:
-        monkeypatch.setattr(attention.sink_kernel, "usable", lambda *args: False)
+        from vllm_dsv4_mtp.cpu.kit import KIT
+
+        monkeypatch.setattr(KIT, "sink_loop", lambda *args: False)
     if union_picks is not None:
         monkeypatch.setattr(attention, "UNION_PICKS", union_picks)
     cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=5)
@@ -379,7 +381,7 @@ def _copy_moe(ref, mine, fmt, pack=False):
             param = ex.w2_weight if shard == "w2" else ex.w13_weight
             param.weight_loader(param, w, f"experts.{e}.{shard}.weight", shard_id=shard, expert_id=e)
     if pack:
-        from vllm_dsv4_mtp.model.cpu_linear import pack_weights
+        from vllm_dsv4_mtp.cpu.linear import pack_weights
 
         pack_weights(torch.nn.ModuleList([mine]))
     _finish_loading(mine)
@@ -456,8 +458,9 @@ import vllm._custom_ops  # noqa: F401
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm_dsv4_mtp.model import norm as N
 x = (torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
-assert (N._fused_normalise(x, 1e-6) != N._normalise(x, 1e-6, x.dtype)).float().mean() > 0.2  # this build truncates
-assert not N.fused_kernel_matches(torch.bfloat16, 128, 1e-6)
+from vllm_dsv4_mtp.cpu.kit import KIT, vllm_rms_normalise
+assert (vllm_rms_normalise(x, 1e-6) != N._normalise(x, 1e-6, x.dtype)).float().mean() > 0.2  # this build truncates
+assert not KIT.rms_norm_kernel(torch.bfloat16, 128, 1e-6)
 with set_current_vllm_config(VllmConfig()):
     from vllm.model_executor.layers.layernorm import RMSNorm
     norm = RMSNorm(128, eps=1e-6).to(torch.bfloat16)

@@ -277,9 +277,9 @@ def test_every_vllm_linear_of_the_model_takes_the_cpus_gemm_route(ckpts, native,
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from vllm_dsv4_mtp.model import cpu_linear
+    from vllm_dsv4_mtp.cpu.kit import KIT
 
-    monkeypatch.setattr(cpu_linear, "native_16bit_gemm", lambda d: native)
+    monkeypatch.setattr(KIT, "native_gemm", lambda d: native)
     model = _build(ckpts["bf16"], dtype="bfloat16")
     model.load_weights(_tensors(ckpts["bf16"]).items())
     loaded = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, LinearBase)}

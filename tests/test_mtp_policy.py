@@ -358,9 +358,9 @@ def test_draft_linears_take_the_float32_route_where_the_cpu_has_no_16bit_gemm(ck
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from vllm_dsv4_mtp.model import cpu_linear
+    from vllm_dsv4_mtp.cpu.kit import KIT
 
-    monkeypatch.setattr(cpu_linear, "native_16bit_gemm", lambda d: False)
+    monkeypatch.setattr(KIT, "native_gemm", lambda d: False)
     draft = _build_draft(ckpts["bf16"])
     tensors = _tensors(ckpts["bf16"])
     draft.load_weights(iter(tensors.items()))

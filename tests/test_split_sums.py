@@ -111,7 +111,7 @@ def test_split_sum_linears_keep_a_float32_weight_for_their_float64_copy():
     away on an AVX512-BF16 / AMX CPU) is never read."""
     from vllm.model_executor.layers.linear import RowParallelLinear
 
-    from vllm_dsv4_mtp.model.cpu_linear import LINEARS
+    from vllm_dsv4_mtp.cpu.linear import LINEARS
     from vllm_dsv4_mtp.model.split_sums import split_sum_linear, wide_layer
 
     def row(dtype):

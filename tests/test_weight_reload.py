@@ -1,5 +1,5 @@
 """vLLM's in-place weight reload (``LLM.collective_rpc("reload_weights", ...)``, what RL trainers use to push new
-weights into a running engine) on the plugin's model: bf16 on the float32 GEMM route (``model/cpu_linear.py``)
+weights into a running engine) on the plugin's model: bf16 on the float32 GEMM route (``cpu/linear.py``)
 and on vLLM's own 16-bit CPU GEMM, float32, and a dummy-loaded engine with MTP on.
 
 vLLM's reload processes each layer as soon as its tensors are in, so the route has already emptied the shared
@@ -77,10 +77,10 @@ def test_in_place_reload_of_a_bf16_model_serves_exactly_the_new_weights(a_and_b,
     and no copy."""
     import torch
 
+    from vllm_dsv4_mtp.cpu.kit import KIT
     from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
-    from vllm_dsv4_mtp.model import cpu_linear
 
-    monkeypatch.setattr(cpu_linear, "native_16bit_gemm", lambda d: not route)
+    monkeypatch.setattr(KIT, "native_gemm", lambda d: not route)
 
     def shared_gate_up(llm):
         layer = target(llm).model.layers[1].ffn.shared_experts.gate_up_proj

@@ -1,4 +1,4 @@
-"""vLLM's CPU attention kernel for the SWA layers (``model/window_kernel.py``): which caches take it, the probe
+"""vLLM's CPU attention kernel for the SWA layers (``cpu/paged_window.py``): which caches take it, the probe
 that keeps the portable path where this vLLM build's kernel is missing or computes something else, and a SWA
 layer through it against HF and against the portable path."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_dsv4_mtp.model import window_kernel as wk
+from vllm_dsv4_mtp.cpu import kit
+from vllm_dsv4_mtp.cpu import paged_window as wk
 
 
 @pytest.mark.parametrize(
@@ -22,13 +23,14 @@ from vllm_dsv4_mtp.model import window_kernel as wk
     ],
 )
 def test_which_caches_take_the_kernel(shape, dtype, head_dim, want):
-    assert wk.usable(torch.zeros(shape, dtype=dtype), head_dim) is want
+    cache = torch.zeros(shape, dtype=dtype)
+    assert wk.takes(cache, head_dim) is want and kit.KIT.paged_window(cache, head_dim) is want
 
 
 def test_the_probe_passes_here_and_refuses_a_kernel_that_computes_something_else(monkeypatch):
     import vllm._custom_ops as ops
 
-    probe = wk.kernel_works.__wrapped__  # uncached
+    probe = kit._probe_paged_window  # the kit keeps its first answer; the probe itself answers anew
     assert probe(torch.float32, 128) and probe(torch.bfloat16, 128)
     real = ops.cpu_attention_with_kv_cache
 
@@ -48,7 +50,7 @@ def test_the_probe_passes_here_and_refuses_a_kernel_that_computes_something_else
 @pytest.mark.usefixtures("vllm_dist")
 def test_swa_layer_through_vllms_cpu_kernel_matches_hf_and_the_portable_path(tmp_path):
     """A SWA layer (compress ratio 0) over a cache whose blocks the kernel takes (32 rows) runs through vLLM's CPU
-    attention kernel (``model/window_kernel.py``) and gives HF's output over 300 tokens (the window wraps), and
+    attention kernel (``cpu/paged_window.py``) and gives HF's output over 300 tokens (the window wraps), and
     the portable path's (16-row blocks) for the same steps: in pieces as chunked prefill, decodes and verify
     windows come, several sequences at once, and after rejected drafts, whose rows stay in the cache.
 

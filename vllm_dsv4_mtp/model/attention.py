@@ -17,10 +17,10 @@ part is :class:`vllm_dsv4_mtp.model.paged_rows.PagedRowCache` with the step's ad
 laid out as ``[n_seg, S]`` segments (consecutive queries of one request), each segment attends to one
 contiguous window-key range plus the C128 entries it may see or (C4) each query's indexer picks. Segments (at
 most ``attention_metadata.SEGMENT`` = 32 queries: decodes, verify windows, prefill pieces) attend through the
-plugin's compiled loop, which reads those keys from the cache by index (``model/sink_kernel.py``); where that loop
+plugin's compiled loop, which reads those keys from the cache by index (``cpu/sink_loop.py``); where that loop
 is not usable (no C compiler, float16 rows) through torch's flash kernel over gathered keys
 (``model/sink_attention.py``). A layer with compress ratio 0 attends through vLLM's CPU
-paged-attention kernel instead where that kernel takes its cache (``model/window_kernel.py``): the window and the
+paged-attention kernel instead where that kernel takes its cache (``cpu/paged_window.py``): the window and the
 sink are all it sees.
 """
 
@@ -41,17 +41,18 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
-from vllm_dsv4_mtp.model import sink_kernel
+from vllm_dsv4_mtp.cpu import sink_loop
+from vllm_dsv4_mtp.cpu.kit import KIT
+from vllm_dsv4_mtp.cpu.linear import LINEARS, Linear, dispatched_linear, plain_linears, slice_linears
+from vllm_dsv4_mtp.cpu.paged_window import WindowKernel
 from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata, SharedKeys
 from vllm_dsv4_mtp.model.compressor import Compressor
-from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, dispatched_linear, plain_linears, slice_linears
 from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
 from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
 from vllm_dsv4_mtp.model.paged_rows import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.rope import layer_rope
 from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
 from vllm_dsv4_mtp.model.split_sums import all_reduce, split_sum_linear, wide_layer
-from vllm_dsv4_mtp.model.window_kernel import WindowKernel, usable
 
 # the intermediates of one group of segments (masks, gathered keys, indexer scores) stay below this many elements
 GROUP_BUDGET = 1 << 23
@@ -83,7 +84,7 @@ class GroupedLinear(nn.Module):
     """Block-diagonal ``wo_a``: group ``g`` maps its ``(H/G) d`` inputs to ``o_lora`` outputs.
 
     ``weight: [G_local * o_lora, (H/G) d]`` (native ``wo_a.weight`` rows of this rank's groups); applied one
-    group at a time (after :meth:`pack` through vLLM's CPU GEMM dispatch, ``model/cpu_linear.py``), so it is a
+    group at a time (after :meth:`pack` through vLLM's CPU GEMM dispatch, ``cpu/linear.py``), so it is a
     plain parameter rather than a vLLM linear layer.
     """
 
@@ -285,25 +286,25 @@ class DeepseekV4Attention(nn.Module):
 
     def window_kernel(self) -> WindowKernel | None:
         """vLLM's CPU attention kernel over this layer's bound cache where it applies (a SWA layer:
-        ``model/window_kernel.py``), else None; decided once per bound cache."""
+        ``cpu/paged_window.py``), else None; decided once per bound cache."""
         cache = self.cache.kv_cache
         if self._window_kernel is None or self._window_kernel[0] is not cache:
             kernel = (
                 WindowKernel(cache, self.head_dim, self.window, self.scale)
-                if self.compress_ratio == 0 and usable(cache, self.head_dim)
+                if self.compress_ratio == 0 and KIT.paged_window(cache, self.head_dim)
                 else None
             )
             self._window_kernel = (cache, kernel)
         return self._window_kernel[1]
 
     def uses_sink_kernel(self) -> bool:
-        """Whether the segments attend through the compiled kernel (``model/sink_kernel.py``) over this
+        """Whether the segments attend through the compiled kernel (``cpu/sink_loop.py``) over this
         layer's bound cache; decided once per bound cache. Every segment may: it is at most
         ``attention_metadata.SEGMENT`` = 32 queries, where the kernel is faster than torch's flash kernel, which
         only pays for segments several times longer (docs/benchmarks.md)."""
         cache = self.cache.kv_cache
         if self._sink_kernel is None or self._sink_kernel[0] is not cache:
-            self._sink_kernel = (cache, sink_kernel.usable(cache.dtype, self.head_dim, cache.device))
+            self._sink_kernel = (cache, KIT.sink_loop(cache.dtype, self.head_dim, cache.device))
         return self._sink_kernel[1]
 
     def forward_paged(self, md: PortableAttentionMetadata, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -426,7 +427,7 @@ class DeepseekV4Attention(nn.Module):
             else:
                 per_query = (self.cache.gather_pieces(picked.view(bsz, s, k)), unseen)
         if kernel:  # keys read from the cache by index, masks as they are
-            return sink_kernel.attend_rows(
+            return sink_loop.attend_rows(
                 q, self.cache.piece_table(), index, mask, picked, unseen, self.attn_sink, self.scale
             )
         keys = self.cache.gather_pieces(index)

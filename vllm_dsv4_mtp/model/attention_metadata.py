@@ -86,7 +86,7 @@ class SharedKeys:
 
 @dataclass
 class KernelSchedule:
-    """The step's arguments of vLLM's CPU attention kernel (``model/window_kernel.py``): int32 host copies of
+    """The step's arguments of vLLM's CPU attention kernel (``cpu/paged_window.py``): int32 host copies of
     ``query_start_loc [R + 1]``, ``seq_lens [R]`` and the block table, and the kernel's scheduler metadata."""
 
     query_start_loc: torch.Tensor

@@ -26,8 +26,8 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO, blocks_per_entry
+from vllm_dsv4_mtp.cpu.linear import LINEARS
 from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
-from vllm_dsv4_mtp.model.cpu_linear import LINEARS
 from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.paged_rows import PagedRowCache
 from vllm_dsv4_mtp.model.rope import DeepseekV4Rope

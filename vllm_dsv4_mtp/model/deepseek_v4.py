@@ -24,10 +24,12 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.platforms import current_platform
 
 from vllm_dsv4_mtp.config import spec_from_hf_config
+from vllm_dsv4_mtp.cpu.kit import KIT
+from vllm_dsv4_mtp.cpu.linear import pack_weights
 from vllm_dsv4_mtp.formats.checkpoint import validate_shard_headers
-from vllm_dsv4_mtp.model.cpu_linear import pack_weights
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.norm import rms_norm
@@ -98,6 +100,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.source = vllm_config.model_config.model
         self.model = DeepseekV4Model(vllm_config=vllm_config, prefix="model")
         spec = self.model.spec
+        if current_platform.is_cpu():  # the CPU speed kit's answers for this model, in one log line
+            KIT.report(vllm_config.model_config.dtype, spec.head_dim, spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(spec.vocab_size)
 

@@ -4,7 +4,7 @@ Weights are dense in the model dtype: a checkpoint's MXFP4 / FP4 / FP8 experts a
 load (``vllm_dsv4_mtp.formats.dequant``), which costs ``16 / 4.25 = 3.8x`` the packed bytes in BF16 (the
 embedded model's 4 x 8 experts: 1.6 MB instead of 0.4 MB) and saves a decode of every hit expert at every
 step. What the Quark W4A4 scheme adds at run time is kept: each GEMM's input is rounded to MXFP4 (dynamic,
-groups of 32 along K: ``mxfp4.fake_quant``, through its compiled loop ``model/mxfp4_round.py`` on CPU) when
+groups of 32 along K: ``mxfp4.fake_quant``, through its compiled loop ``cpu/mxfp4_round.py`` on CPU) when
 ``activation_quant`` is set.
 
 Parameters use the names and weight-loader signature of vLLM's fused experts (``w13_weight [E, 2 I, D]`` =
@@ -16,7 +16,7 @@ the MoE all-reduces (a float32 model's in float64: ``model/split_sums.py``).
 Dispatch: the step's assignments are sorted by expert once; each hit expert then runs its two GEMMs on its
 contiguous run of rows, the SwiGLU (and the W4A4 rounding) once over all rows, the shared expert's included
 where it has the routed experts' width and rounding (``dense`` in :meth:`PortableExperts.forward`). After
-loading, :meth:`pack` gives each expert's matrices vLLM's CPU GEMM dispatch (``model/cpu_linear.py``; a
+loading, :meth:`pack` gives each expert's matrices vLLM's CPU GEMM dispatch (``cpu/linear.py``; a
 float32 model's ``w2`` a float64 linear instead, ``model/split_sums.py``).
 Where every expert's GEMMs over every token cost little (small experts, few tokens: :meth:`takes_all`),
 :meth:`forward_all` instead runs all experts, the shared one among them, as two GEMMs with the routing weights
@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_dsv4_mtp.cpu.kit import round_to_mxfp4
+from vllm_dsv4_mtp.cpu.linear import Linear, dispatched_linear, loaded_weight, plain_linears, slice_linears
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.model.cpu_linear import Linear, dispatched_linear, loaded_weight, plain_linears, slice_linears
-from vllm_dsv4_mtp.model.mxfp4_round import round_to_mxfp4
 from vllm_dsv4_mtp.model.split_sums import partial_dtype, wide_linear
 
 # The all-expert pass (every expert's GEMMs over every token) while those cost at most this many multiply-adds;
@@ -155,7 +155,7 @@ class PortableExperts(nn.Module):
         return self._act(swiglu_clamped(gate, up, self.swiglu_limit))
 
     def pack(self) -> None:
-        """After loading: each expert's ``w13`` and ``w2`` as a linear of its own (``model/cpu_linear.py``;
+        """After loading: each expert's ``w13`` and ``w2`` as a linear of its own (``cpu/linear.py``;
         a float32 model's ``w2``, a sum TP splits, in float64: ``model/split_sums.py``)."""
         self._linears = list(zip(slice_linears(self.w13_weight), map(_down_linear, self.w2_weight.data)))
 

@@ -19,8 +19,8 @@ from torch import nn
 from vllm.model_executor.layers.linear import ReplicatedLinear
 
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
+from vllm_dsv4_mtp.cpu.linear import LINEARS
 from vllm_dsv4_mtp.model.compressor import Compressor
-from vllm_dsv4_mtp.model.cpu_linear import LINEARS
 from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
 

@@ -23,9 +23,9 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
-from vllm_dsv4_mtp.model.cpu_linear import LINEARS, Linear, keep_loaded_weight
+from vllm_dsv4_mtp.cpu.kit import round_to_mxfp4
+from vllm_dsv4_mtp.cpu.linear import LINEARS, Linear, keep_loaded_weight
 from vllm_dsv4_mtp.model.experts import PortableExperts, swiglu_clamped
-from vllm_dsv4_mtp.model.mxfp4_round import round_to_mxfp4
 from vllm_dsv4_mtp.model.split_sums import all_reduce, partial_dtype, split_sum_linear, wide_layer
 
 _SCORE_FUNCS = {

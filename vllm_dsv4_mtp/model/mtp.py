@@ -48,7 +48,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from vllm_dsv4_mtp import draft_policy
 from vllm_dsv4_mtp.config import DeepseekV4Spec
-from vllm_dsv4_mtp.model.cpu_linear import LINEARS, pack_weights
+from vllm_dsv4_mtp.cpu.linear import LINEARS, pack_weights
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.norm import rms_norm

@@ -27,7 +27,7 @@ is pooled again, once, by the token that completes it; nothing lives outside the
 
 A layer with compress ratio 0 whose cache vLLM's CPU attention kernel takes keeps its latent in that kernel's
 layout instead, in the first ``2 * block_size * head_dim`` elements of each of its blocks
-(``model/window_kernel.py``); its rows here are then unused.
+(``cpu/paged_window.py``); its rows here are then unused.
 
 Each step a layer (``model/attention.py``) writes its new rows through ``slot_mapping``, completes the blocks
 its tokens close (gathering their rows), then attends over padded segments of queries: the window keys

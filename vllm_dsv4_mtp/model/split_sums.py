@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group, tensor_model_parallel_all_reduce
 
-from vllm_dsv4_mtp.model.cpu_linear import Linear, keep_loaded_weight, loaded_weight
+from vllm_dsv4_mtp.cpu.linear import Linear, keep_loaded_weight, loaded_weight
 
 WIDE = torch.float64
 

@@ -9,22 +9,17 @@ Scores, probabilities and sums are float32 for bfloat16 and float32 rows alike, 
 step's C4 layer takes less time here than through the gather and flash kernel, at batch 1 and at batch 64
 (docs/benchmarks.md, "Why the code is as it is").
 
-Built on first use with the machine's C compiler (``model/cpu_kernels.py``); without one, or if the build or the
-probe against the reference (:func:`kernel_works`) fails, :func:`usable` says no and the attention keeps
-torch's path.
+Built on first use with the machine's C compiler (``cpu/compiled.py``); without one, or if the build or the
+probe against the reference fails (``cpu/kit.py``), the attention keeps torch's path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
-from vllm.logger import init_logger
 
-from vllm_dsv4_mtp.model.cpu_kernels import ROW_DTYPES, KernelError, function
-
-logger = init_logger("vllm.dsv4_mtp.sink_kernel")
+from vllm_dsv4_mtp.cpu.compiled import ROW_DTYPES, KernelError, function
 
 VECTOR = 16  # floats per vector in the C file: head sizes must be a multiple
 MAX_HEAD = 512
@@ -37,7 +32,8 @@ _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURE = (_P, _I64, _P, _I64, _I32, _I32, _I32, _I32, _I32, _P, _P, _I32, _P, _P, _I32, _P, ctypes.c_float, _P)
 
 
-def _function():
+def loaded():
+    """The C function, or None where the loop cannot be built or loaded (logged once)."""
     return function("sink_attention", "dsv4_sink_attention", SIGNATURE)
 
 
@@ -57,7 +53,7 @@ def attend_rows(
     ``own_index [B, S, k]`` where ``own_masked`` is False; ``sink [H]`` float32 -> ``[B, S, H, d]`` in
     ``q.dtype``. ``q`` and ``pieces`` share a dtype (float32 or bfloat16); ``q``'s heads and channels must be
     contiguous (its query rows may be strided)."""
-    fn = _function()
+    fn = loaded()
     if fn is None:
         raise KernelError("the sink-attention kernel is not available (see the log)")
     b, s, h, d = q.shape
@@ -125,50 +121,8 @@ def attend_rows(
     return out
 
 
-def usable(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
-    """Whether :func:`attend_rows` serves rows of ``dtype`` and ``head_dim`` on ``device``: a CPU tensor, a
-    dtype and head size the C file takes, and a kernel that built and passed :func:`kernel_works`."""
-    if device.type != "cpu" or dtype not in ROW_DTYPES or head_dim % VECTOR or head_dim > MAX_HEAD:
-        return False
-    return kernel_works(dtype)
-
-
-@functools.cache
-def kernel_works(dtype: torch.dtype) -> bool:
-    """One probe per process and dtype: a decode and a verify window (two segments, own picks, masked keys, a
-    query with every key masked) against the float32 reference, within this dtype's rounding."""
-    from vllm_dsv4_mtp.model.sink_attention import sink_attention_reference
-
-    if _function() is None:
-        return False
-    g = torch.Generator().manual_seed(0)
-    d, heads, n = 64, 3, 40
-    pieces = torch.randn(n, d, generator=g).to(dtype)
-    worst = 0.0
-    for s, k in ((1, 0), (3, 4)):
-        index = torch.randint(0, n, (2, 9), generator=g)
-        masked = torch.rand(2, s, 9, generator=g) < 0.3
-        masked[1, 0] = True
-        own = torch.randint(0, n, (2, s, k), generator=g)
-        own_masked = torch.rand(2, s, k, generator=g) < 0.3
-        own_masked[1, 0] = True
-        q = torch.randn(2, s, heads, d, generator=g).to(dtype)
-        sink = torch.randn(heads, generator=g)
-        try:
-            got = attend_rows(q, pieces, index, masked, own if k else None, own_masked if k else None, sink, 0.125)
-        except (KernelError, ValueError) as e:
-            logger.info(
-                "vllm-dsv4-mtp: the sink-attention kernel failed its probe (%s); the attention keeps torch's path", e
-            )
-            return False
-        parts = [(pieces[index], masked)] + ([(pieces[own], own_masked)] if k else [])
-        want = sink_attention_reference(q, parts, sink, 0.125)
-        worst = max(worst, (got.float() - want.float()).abs().max().item())
-    ok = worst <= (1e-5 if dtype == torch.float32 else 1e-2)
-    if not ok:
-        logger.warning(
-            "vllm-dsv4-mtp: the sink-attention kernel differs from the reference by %.3g on a probe; "
-            "the attention keeps torch's path",
-            worst,
-        )
-    return ok
+def takes(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """Whether :func:`attend_rows` takes rows of ``dtype`` and ``head_dim`` on ``device`` (a CPU tensor, a dtype
+    and head size the C file serves); whether the loop built and passed its probe is the kit's question
+    (:meth:`vllm_dsv4_mtp.cpu.kit.CpuKit.sink_loop`)."""
+    return device.type == "cpu" and dtype in ROW_DTYPES and head_dim % VECTOR == 0 and head_dim <= MAX_HEAD

@@ -1,4 +1,4 @@
-"""The plugin's own compiled CPU loops (``model/csrc/*.c``): built on first use with the machine's C compiler.
+"""The plugin's own compiled CPU loops (``cpu/csrc/*.c``): built on first use with the machine's C compiler.
 
 Each C file includes no header and links nothing but OpenMP, so a compiler alone builds it (no C library
 headers or start files). :func:`build` compiles one with ``$CC`` (else ``cc``) and ``-O3 -march=native``
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from vllm.logger import init_logger
 
-logger = init_logger("vllm.dsv4_mtp.cpu_kernels")
+logger = init_logger("vllm.dsv4_mtp.cpu_kit")
 
 CSRC = Path(__file__).with_name("csrc")
 # no C library headers, start files or libraries: the sources need none (the compiler alone builds them)

@@ -23,7 +23,6 @@ cost several MTP-off steps (``docs/benchmarks.md``).
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable
 
 import torch
@@ -36,38 +35,26 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.platforms import current_platform
 
+from vllm_dsv4_mtp.cpu.kit import KIT
 from vllm_dsv4_mtp.portable_quant_config import PortableConfigBase
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def native_16bit_gemm(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies ``dtype`` (bfloat16 / float16) matrices with an instruction of their own:
-    on x86-64 AVX512-BF16 or AMX for bfloat16, AMX-FP16 for float16 (torch's own CPU feature queries). Other
-    architectures count as native, so vLLM's dispatch keeps deciding there, as before (not measured here)."""
-    if platform.machine() != "x86_64":
-        return True
-    if dtype == torch.bfloat16:
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    if dtype == torch.float16:
-        return torch.cpu._is_amx_fp16_supported()
-    raise ValueError(f"native_16bit_gemm: {dtype} is not a 16-bit float type")
-
-
 def float32_route(weight: torch.Tensor) -> bool:
     """Whether ``weight`` is multiplied through a float32 copy: a 16-bit CPU tensor on a CPU without
-    :func:`native_16bit_gemm` for its dtype."""
+    :meth:`CpuKit.native_gemm <vllm_dsv4_mtp.cpu.kit.CpuKit.native_gemm>` for its dtype."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in (torch.bfloat16, torch.float16)
-        and not native_16bit_gemm(weight.dtype)
+        and not KIT.native_gemm(weight.dtype)
     )
 
 
 def cpu_linear(weight: torch.Tensor) -> Linear:
     """``x -> x @ weight.T`` for ``weight: [N, K]`` on CPU, through vLLM's CPU GEMM dispatch; a 16-bit ``weight``
-    on a CPU without :func:`native_16bit_gemm` through a float32 copy instead (module docstring), the result
-    in ``weight.dtype``.
+    on a CPU without a native 16-bit GEMM (``KIT.native_gemm``) through a float32 copy instead (module docstring),
+    the result in ``weight.dtype``.
 
     The dispatch drops its reference to ``weight`` when it packed a copy (its torch fallback keeps it), so a
     ``weight`` made only for this linear (a concatenation) is freed, and a parameter's slice stays its module's."""

@@ -207,22 +207,53 @@ def test_round_to_mxfp4_takes_the_loop_only_where_it_serves(monkeypatch):
     assert torch.equal(round_to_mxfp4(x), mxfp4.fake_quant(x)) and not calls
 
 
-def test_the_kit_probes_once_and_reports_in_one_line(monkeypatch, caplog):
-    """The kit answers each question once per process (a second asking runs no probe) and
-    ``report`` logs every answer a model asks for in one line, once per question set."""
+def _kit_log(run) -> list[str]:
+    """The kit logger's messages while ``run()`` runs (a handler of its own: vLLM's logging may not propagate)."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("vllm.dsv4_mtp.cpu_kit")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        run()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return lines
+
+
+def test_the_kit_probes_once_and_reports_in_one_line(monkeypatch):
+    """The kit answers each question once per process (a second asking runs no probe), with float32 as torch's
+    default dtype whatever the caller's (vLLM builds models under theirs), and ``report`` logs the answers a model
+    asks for in one line, once per question set: the MXFP4 loop only for W4A4 experts."""
     from vllm_dsv4_mtp.cpu import kit
 
     fresh = kit.CpuKit()
-    probes = []
+    seen = []
     real = kit._probe_mxfp4_round
-    monkeypatch.setattr(kit, "_probe_mxfp4_round", lambda: probes.append(1) or real())
-    assert fresh.mxfp4_round() and fresh.mxfp4_round() and probes == [1]
-    with caplog.at_level("INFO", logger="vllm.dsv4_mtp.cpu_kit"):
-        fresh.report(torch.bfloat16, 64, 128, 1e-6)
-        fresh.report(torch.bfloat16, 64, 128, 1e-6)
-    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.dsv4_mtp.cpu_kit"]
+    monkeypatch.setattr(kit, "_probe_mxfp4_round", lambda: seen.append(torch.get_default_dtype()) or real())
+    prior = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        assert fresh.mxfp4_round() and fresh.mxfp4_round()
+        assert torch.get_default_dtype() == torch.bfloat16
+    finally:
+        torch.set_default_dtype(prior)
+    assert seen == [torch.float32]
+
+    def ask(w4a4):
+        return lambda: fresh.report(torch.bfloat16, head_dim=64, norm_widths=(64, 128), eps=1e-6, w4a4=w4a4)
+
+    lines = _kit_log(lambda: (ask(True)(), ask(True)()))
     assert len(lines) == 1, lines
     for name in ("sink-attention loop yes", "vLLM paged window kernel yes", "MXFP4 rounding loop yes"):
         assert name in lines[0], lines[0]
-    assert "rms_norm kernel" in lines[0] and "native 16-bit GEMM" in lines[0] and "fused mHC kernels" in lines[0]
-    assert probes == [1]
+    for name in ("rms_norm kernel (64 channels)", "rms_norm kernel (128 channels)", "native 16-bit GEMM", "fused mHC"):
+        assert name in lines[0], lines[0]
+    lines = _kit_log(ask(False))
+    assert len(lines) == 1 and "MXFP4" not in lines[0], lines
+    assert seen == [torch.float32]

@@ -157,7 +157,7 @@ def test_parallel_ranks_sum_to_the_whole(expert_parallel):
 
 
 def _kept(w: torch.Tensor, prefix: str = "layers.0.ffn.shared_experts.gate_up_proj") -> SimpleNamespace:
-    """What ``pack_all`` reads of a shared-expert linear (``cpu_linear.loaded_weight``): a marked layer's weight."""
+    """What ``pack_all`` reads of a shared-expert linear (``cpu.linear.loaded_weight``): a marked layer's weight."""
     return SimpleNamespace(weight=torch.nn.Parameter(w, requires_grad=False), keeps_loaded_weight=True, prefix=prefix)
 
 

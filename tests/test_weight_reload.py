@@ -7,7 +7,7 @@ expert's 16-bit weights when the model's ``load_weights`` packed the MoE's joine
 half way with the MoE's pack error, leaving a model of mixed weights behind; where vLLM's dispatch packs 16-bit
 weights (AVX512-BF16 / AMX CPUs) it failed at the shared expert the same way, and a float32 model's reload failed at
 ``wo_b``, whose weight vLLM's float32 dispatch had packed away. The layers whose weights a pack reads now keep
-them (``cpu_linear.keep_loaded_weight``).
+them (``cpu.linear.keep_loaded_weight``).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_in_place_reload_of_a_float32_model_serves_exactly_the_new_weights(a_and
     """A float32 model keeps ``wo_b`` and the shared expert's ``down_proj`` (sums TP splits) in float64, made from
     the loaded weights when the model packs; vLLM's float32 CPU dispatch packs the weights of its linears away,
     and its reload processes a layer before the model packs. Those layers keep their loaded weight
-    (``cpu_linear.keep_loaded_weight``), so the reload serves B exactly: the same tokens and prompt log-probs as
+    (``cpu.linear.keep_loaded_weight``), so the reload serves B exactly: the same tokens and prompt log-probs as
     a fresh engine on B (float32: bit for bit). Before, the reload failed at ``wo_b``."""
     from vllm import SamplingParams
 

@@ -14,7 +14,7 @@ the portable model, each probed once per process against the model's own formula
     hc_kernels()                            vLLM's fused CPU mHC kernels             present in this vLLM build
 
 A no means the model computes the same formula with torch: the same result within the probe's bound, slower.
-:meth:`CpuKit.report` asks every question a model will ask when it is built and logs the answers in one line.
+:meth:`CpuKit.report` asks the model's questions when it is built and logs the answers in one line.
 Nothing in ``model/`` probes the machine itself (tests/test_layout.py).
 """
 
@@ -44,8 +44,16 @@ class CpuKit:
         self._reported: set[Hashable] = set()
 
     def _ask(self, key: Hashable, probe: Callable[[], bool]) -> bool:
+        """The kept answer, or the probe's, which runs on CPU with float32 as torch's default dtype whatever the
+        caller set (vLLM builds a model under its dtype, and a loader may build on the meta device)."""
         if key not in self._answers:
-            self._answers[key] = bool(probe())
+            prior = torch.get_default_dtype()
+            torch.set_default_dtype(torch.float32)
+            try:
+                with torch.device("cpu"):
+                    self._answers[key] = bool(probe())
+            finally:
+                torch.set_default_dtype(prior)
         return self._answers[key]
 
     def sink_loop(self, dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
@@ -55,10 +63,15 @@ class CpuKit:
         return self._ask(("sink_loop", dtype), lambda: _probe_sink_loop(dtype))
 
     def paged_window(self, kv_cache: torch.Tensor, head_dim: int) -> bool:
-        """Whether a SWA layer with this bound cache attends through vLLM's CPU paged-attention kernel."""
-        if not paged_window.takes(kv_cache, head_dim):
+        """Whether a SWA layer with this bound cache attends through vLLM's CPU paged-attention kernel: the cache
+        fits it (``paged_window.takes``) and :meth:`paged_window_kernel` for its dtype."""
+        return paged_window.takes(kv_cache, head_dim) and self.paged_window_kernel(kv_cache.dtype, head_dim)
+
+    def paged_window_kernel(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether this vLLM build's CPU paged-attention kernel computes the sink attention for ``dtype`` rows of
+        ``head_dim`` (the probe; whether a layer's cache fits it is :meth:`paged_window`'s other half)."""
+        if dtype not in paged_window.DTYPES or head_dim not in paged_window.HEAD_SIZES:
             return False
-        dtype = kv_cache.dtype
         return self._ask(("paged_window", dtype, head_dim), lambda: _probe_paged_window(dtype, head_dim))
 
     def mxfp4_round(self) -> bool:
@@ -89,25 +102,29 @@ class CpuKit:
             "hc_kernels", lambda: all(hasattr(torch.ops._C, f"hc_{op}_fused_cpu") for op in ("pre", "post", "head"))
         )
 
-    def report(self, dtype: torch.dtype, head_dim: int, hidden_size: int, eps: float) -> None:
-        """Ask what a model of ``dtype`` with attention heads of ``head_dim`` and ``hidden_size`` channels asks
-        (a 64-row cache stands in for its SWA layers' caches) and log the answers in one line, once per process
-        and question set."""
-        key = (dtype, head_dim, hidden_size, eps)
+    def report(
+        self, dtype: torch.dtype, *, head_dim: int, norm_widths: tuple[int, ...], eps: float, w4a4: bool
+    ) -> None:
+        """Ask what a model of ``dtype`` asks, once its caches are bound or not: attention heads of ``head_dim``,
+        weightless RMS norms over ``norm_widths`` channels, the MXFP4 rounding where it has W4A4 experts, the 16-bit
+        GEMM and mHC kernels in 16-bit; log the answers in one line, once per process and question set. Whether a
+        SWA layer's cache fits the paged kernel is decided per cache when it is bound (:meth:`paged_window`)."""
+        key = (dtype, head_dim, norm_widths, eps, w4a4)
         if key in self._reported:
             return
         self._reported.add(key)
-        cpu = torch.device("cpu")
-        cache = torch.empty(1, 1, 64, 2 * head_dim, dtype=dtype)
+        half = dtype in (torch.bfloat16, torch.float16)
         answers = {
-            "sink-attention loop": self.sink_loop(dtype, head_dim, cpu),
-            "vLLM paged window kernel": self.paged_window(cache, head_dim),
-            "MXFP4 rounding loop": self.mxfp4_round(),
-            "rms_norm kernel": self.rms_norm_kernel(dtype, hidden_size, eps),
-            "fused mHC kernels": self.hc_kernels(),
+            "sink-attention loop": self.sink_loop(dtype, head_dim, torch.device("cpu")),
+            "vLLM paged window kernel": self.paged_window_kernel(dtype, head_dim),
         }
-        if dtype in (torch.bfloat16, torch.float16):
+        if w4a4:
+            answers["MXFP4 rounding loop"] = self.mxfp4_round()
+        if half:
             answers["native 16-bit GEMM"] = self.native_gemm(dtype)
+            answers["fused mHC kernels"] = self.hc_kernels()
+            for width in norm_widths:
+                answers[f"rms_norm kernel ({width} channels)"] = self.rms_norm_kernel(dtype, width, eps)
         logger.info(
             "vllm-dsv4-mtp CPU kit (%s, head_dim %d): %s; a 'no' computes the same formula with torch",
             str(dtype).removeprefix("torch."),

@@ -53,6 +53,7 @@ class DeepseekV4Model(nn.Module):
         self.hidden_size = spec.hidden_size
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, prefix=f"{prefix}.embed_tokens")
         rounding = layer_rounding(spec)
+        self.rounds_to_mxfp4 = any(r.routed or r.shared for r in rounding)  # W4A4 experts somewhere
         layers = [
             DeepseekV4DecoderLayer(vllm_config, spec, i, prefix=f"{prefix}.layers.{i}", rounding=rounding[i])
             for i in range(spec.num_hidden_layers)
@@ -101,7 +102,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.model = DeepseekV4Model(vllm_config=vllm_config, prefix="model")
         spec = self.model.spec
         if current_platform.is_cpu():  # the CPU speed kit's answers for this model, in one log line
-            KIT.report(vllm_config.model_config.dtype, spec.head_dim, spec.hidden_size, spec.rms_norm_eps)
+            KIT.report(
+                vllm_config.model_config.dtype,
+                head_dim=spec.head_dim,
+                norm_widths=tuple(sorted({spec.hidden_size, spec.q_lora_rank, spec.head_dim})),
+                eps=spec.rms_norm_eps,
+                w4a4=self.model.rounds_to_mxfp4,
+            )
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(spec.vocab_size)
 

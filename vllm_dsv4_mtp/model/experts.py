@@ -162,7 +162,7 @@ class PortableExperts(nn.Module):
     def pack_all(self, shared: tuple[nn.Module, nn.Module] | None = None) -> None:
         """After loading: the all-expert pass's two linears (:meth:`forward_all`), every local expert side by
         side, then the shared expert ``shared = (gate_up_proj, down_proj)`` (its vLLM linears, of this rank's
-        width, marked by ``cpu_linear.keep_loaded_weight``: their weights ``[2 I, D]``, ``[D, I]`` are read
+        width, marked by ``cpu.linear.keep_loaded_weight``: their weights ``[2 I, D]``, ``[D, I]`` are read
         here) as one more: ``w13 [(E + 1) 2 I, D]``, ``w2 [D, (E + 1) I]``. Nothing is made (and nothing
         read) for a MoE that would not take the pass for a single token (DeepSeek-V4's own, :meth:`packs_all`);
         otherwise its experts' bytes (and the shared expert's) come once more, as vLLM's packed copy (on CPU the

@@ -216,7 +216,7 @@ class DeepseekV4MoE(nn.Module):
 
     def _packs_shared(self) -> bool:
         """Whether :meth:`pack` copies the shared expert's weights into the experts' all-expert pass (the
-        shared expert's linears then keep their loaded weights, ``cpu_linear.keep_loaded_weight``; where it
+        shared expert's linears then keep their loaded weights, ``cpu.linear.keep_loaded_weight``; where it
         joins but the pass would not pay with it, no pass is made and nothing is read)."""
         return self._shared_joins() and self.experts.packs_all(with_shared=True)
 

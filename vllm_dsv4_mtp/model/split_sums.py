@@ -47,7 +47,7 @@ def wide_linear(weight: torch.Tensor) -> Linear | None:
 
 def split_sum_linear(layer: torch.nn.Module) -> torch.nn.Module:
     """Mark a row-parallel vLLM linear of the model (``wo_b``, the shared expert's ``down_proj``), built in the
-    model's dtype: a float32 one keeps its loaded weight (``cpu_linear.keep_loaded_weight``), which
+    model's dtype: a float32 one keeps its loaded weight (``cpu.linear.keep_loaded_weight``), which
     :func:`wide_layer` copies to float64 when the model packs, also after an in-place reload. Returns ``layer``."""
     return keep_loaded_weight(layer) if layer.weight.dtype == torch.float32 else layer
 

@@ -3,8 +3,8 @@
  * Per block of 32 values along a row: the E8M0 scale of the block's largest magnitude (the "even" rule: a power
  * of two, 2^-127 .. 2^127), each value divided by it, rounded to the E2M1 grid (spacing s = 0.5 below 2, 1 below
  * 4, 2 up to 6) half to even by (v + C) - C with C = 1.5 s 2^23, saturated at +-6, times the scale. A block with a
- * NaN is NaN. Built and called by vllm_dsv4_mtp/model/mxfp4_round.py. Returns 0, or 3 (a row length that is not
- * a multiple of 32). No header, no library (see cpu_kernels.py).
+ * NaN is NaN. Built and called by vllm_dsv4_mtp/cpu/mxfp4_round.py. Returns 0, or 3 (a row length that is not
+ * a multiple of 32). No header, no library (see cpu/compiled.py).
  */
 typedef __INT64_TYPE__ int64_t;
 typedef __INT32_TYPE__ int32_t;

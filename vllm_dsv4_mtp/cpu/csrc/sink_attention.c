@@ -7,7 +7,7 @@
  *     o = sum_t exp(l_t) k_t / (sum_t exp(l_t) + exp(sink_h)),   l_t = scale * q . k_t
  *
  * Rows are float32 or bfloat16 (widened exactly); scores, probabilities and sums are float32 and the output is
- * rounded once (bfloat16: to nearest even). Built and called by vllm_dsv4_mtp/model/sink_kernel.py, which
+ * rounded once (bfloat16: to nearest even). Built and called by vllm_dsv4_mtp/cpu/sink_loop.py, which
  * states the arguments' shapes. Returns 0, or 1 (out of memory), 2 (an index outside the table), 3 (a head
  * size this file does not take).
  *

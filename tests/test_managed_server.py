@@ -27,8 +27,11 @@ from vllm_dsv4_mtp.evaluate.server import (
 
 # Binds --port after a delay (as vLLM does after parsing its arguments), starts a child that listens on a
 # loopback port of its own (as vLLM's workers do for gloo / ZMQ), and answers /health with its own port.
+# SIGINT ends it as it ends vLLM's server, which installs its own handler: a Python started with SIGINT ignored (a
+# backgrounded or CI shell) would not raise KeyboardInterrupt, and each stop would wait out the 90 s stop timeout.
 FAKE_SERVER = textwrap.dedent("""
-    import http.server, subprocess, sys, time
+    import http.server, signal, subprocess, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     port = int(sys.argv[sys.argv.index("--port") + 1])
     extra = int(sys.argv[sys.argv.index("--extra-listeners") + 1]) if "--extra-listeners" in sys.argv else 0
     child = subprocess.Popen([sys.executable, "-c",
@@ -47,6 +50,9 @@ FAKE_SERVER = textwrap.dedent("""
     finally:
         child.kill()
 """)
+
+
+ON_SIGINT = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)"
 
 
 class FakeSpec(ServerSpec):
@@ -144,7 +150,7 @@ def test_bound_port_fails_fast_on_exit_and_after_its_timeout():
 def test_managed_server_reports_a_server_that_never_listens(tmp_path):
     class Silent(FakeSpec):
         def serve_argv(self, port: int) -> list[str]:
-            return [sys.executable, "-c", "print('loading'); import time; time.sleep(60)"]
+            return [sys.executable, "-c", f"{ON_SIGINT}; print('loading'); import time; time.sleep(60)"]
 
     srv = ManagedServer(Silent(), log_path=tmp_path / "server.log", quiet=True, start_timeout_s=2)
     with pytest.raises(

@@ -206,22 +206,17 @@ def test_attention_matches_hf(tmp_path, ratios, lid):
     torch.testing.assert_close(y, y_ref[0], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("flash,union_picks", [(False, None), (True, None), (True, 0)])
+@pytest.mark.parametrize("flash", [False, True])
 @pytest.mark.usefixtures("vllm_dist")
-def test_attention_chunked_queries_equal_full(tmp_path, monkeypatch, flash, union_picks):
+def test_attention_chunked_queries_equal_full(tmp_path, monkeypatch, flash):
     """Queries processed in pieces (as chunked prefill, decodes and verify windows do, over rows 0..end) give
     the same output. Every segment attends through the compiled kernel (``cpu/sink_loop.py``); the same
-    steps through torch's flash kernel (``flash``, the path where the kernel is not usable) give it too,
-    with decodes and verify windows folding their queries' C4 picks into one key set (``UNION_PICKS``) and with
-    each query's picks as a set of its own (``union_picks=0``)."""
-    from vllm_dsv4_mtp.model import attention
-
+    steps through torch's flash kernel (``flash``, the path where the kernel is not usable, each query's C4 picks
+    a key set of its own) give it too."""
     if flash:
         from vllm_dsv4_mtp.cpu.kit import KIT
 
         monkeypatch.setattr(KIT, "sink_loop", lambda *args: False)
-    if union_picks is not None:
-        monkeypatch.setattr(attention, "UNION_PICKS", union_picks)
     cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=5)
     x = torch.randn(300, cfg["hidden_size"])
     pos = torch.arange(300)

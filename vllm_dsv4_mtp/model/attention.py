@@ -26,8 +26,6 @@ sink are all it sees.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -60,24 +58,6 @@ GROUP_BUDGET = 1 << 23
 # 2 x 64 x 2 x 256: one call instead of one per group and a concatenation, faster on CPU: docs/benchmarks.md);
 # DeepSeek-V4's own groups stay one call each
 BLOCK_DIAGONAL_MAX = 1 << 20
-# a verify window's queries' C4 picks (S * k) join its shared key set up to this many: each query computes
-# scores over the others' picks too, which costs less than a second kernel pass while the union is small (the
-# embedded model's index_topk 16: up to K = 7); with DeepSeek-V4's 512 or 1024 picks, and for prefill segments,
-# each query's picks stay a set of its own. A decode's picks (one query) always join.
-UNION_PICKS = 128
-
-
-def _folds_picks(s: int, k: int) -> bool:
-    """Whether segments of ``s`` queries with ``k`` picks each attend their picks in the shared key set."""
-    return s == 1 or s * k <= UNION_PICKS
-
-
-@functools.lru_cache(maxsize=64)
-def _not_own_picks(s: int, k: int, device: torch.device) -> torch.Tensor:
-    """``[1, S, S * k]`` bool: True where pick ``m`` of query ``j`` (column ``j * k + m``) is not query ``i``'s
-    (a constant of the step's shape, made once; never written)."""
-    owner = torch.arange(s * k, device=device) // k
-    return (torch.arange(s, device=device)[:, None] != owner[None, :]).unsqueeze(0)
 
 
 class GroupedLinear(nn.Module):
@@ -357,7 +337,7 @@ class DeepseekV4Attention(nn.Module):
         n_win = md.window(self.window).slots.shape[1]
         n_ent = md.entries(self.compress_ratio).count if self.compress_ratio else 0
         k = min(self.indexer.topk, n_ent) if self.indexer is not None else n_ent
-        shared = n_win + (s * k if self.indexer is not None and _folds_picks(s, k) else k)  # keys every query scores
+        shared = n_win + k  # keys every query scores
         per_seg = s * self.n_local_heads * (shared + 1) + shared * self.head_dim
         if self.indexer is not None:
             per_seg = max(per_seg, s * self.indexer.n_heads * n_ent, s * k * self.head_dim)
@@ -417,13 +397,6 @@ class DeepseekV4Attention(nn.Module):
             picked = self.cache.piece_index(torch.gather(slots, 1, picks.reshape(bsz, s * k)), ch["entry"])
             if kernel:  # each query reads its own picks by index
                 picked = picked.view(bsz, s, k)
-            elif _folds_picks(s, k):
-                # decodes and short verify windows: every query's picks join the segment's key set, each visible
-                # only to the query that picked it (an entry two queries picked is there twice, once for each),
-                # so one gather and one kernel pass serve the segment
-                masked = _not_own_picks(s, k, picks.device) | unseen.view(bsz, 1, s * k)
-                index = torch.cat([index, picked], dim=1)
-                mask = torch.cat([mask, additive_mask(masked, mask.dtype)], dim=-1)
             else:
                 per_query = (self.cache.gather_pieces(picked.view(bsz, s, k)), unseen)
         if kernel:  # keys read from the cache by index, masks as they are

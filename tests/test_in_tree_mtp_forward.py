@@ -36,6 +36,8 @@ import pytest
 import torch
 from test_in_tree_mtp_real import VERSIONS, run_worker
 
+pytestmark = pytest.mark.engine
+
 REL_TOL = 0.025
 ARGMAX_MIN = 0.9
 SHARED_SCALE = 8.0

@@ -32,6 +32,8 @@ import torch
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.testing.vllm_overlay import overlay_root
 
+pytestmark = pytest.mark.engine
+
 WORKER = Path(__file__).with_name("in_tree_real_worker.py")
 VERSIONS = ["0.32.0", "0.33.0", "0.34.0"]
 LAYOUTS = ["official", "amd", "amd-mtp-original"]

@@ -28,6 +28,8 @@ from test_in_tree_mtp_real import VERSIONS, run_worker
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec, weight_slots
 
+pytestmark = pytest.mark.engine
+
 STORED = {"VLLM_DSV4_MTP_DRAFT_PRECISION": "stored"}
 #: FP8 block partitions divisible by 128 at TP 1 and 2 (q / o LoRA ranks, the shared expert's width)
 STORED_DIMS = dict(q_lora_rank=128, o_lora_rank=128, moe_intermediate_size=256)

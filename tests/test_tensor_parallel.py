@@ -49,7 +49,8 @@ def main():
         rows.append({"gen": list(o.outputs[0].token_ids),
                      "top1": [max(v.logprob for v in d.values()) for d in lps],
                      "actual": [d[t].logprob for d, t in zip(lps, p[1:])]})
-    print("RESULT " + json.dumps(rows))
+    print("RESULT " + json.dumps(rows), flush=True)
+    llm.llm_engine.engine_core.shutdown(timeout=1.0)  # tests/engines.py: STOP_GRACE_S, why
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,9 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+#: seconds a stopped engine core gets before vLLM kills it and its worker (:func:`running`)
+STOP_GRACE_S = 1.0
+
 
 def report(table: str, result: Any, json_path: str | None) -> int:
     """Print a benchmark's markdown ``table`` and one ``RESULT {json}`` line; also write the JSON to
@@ -26,11 +29,13 @@ def running(llm) -> Iterator[Any]:
 
     Why: a benchmark that raises with an engine still running does not exit. Python's multiprocessing atexit
     handler joins the live EngineCore process, which waits for a shutdown that never comes (seen in CI, stop
-    20: the traceback printed, then the process sat idle until its test's 900 s timeout)."""
+    20: the traceback printed, then the process sat idle until its test's 900 s timeout). The core gets
+    :data:`STOP_GRACE_S` to exit: vLLM 0.32's CPU engine core needs ~5.5 s by itself, past vLLM's default grace
+    of 5 s after which vLLM kills it anyway, and a benchmark's engine has nothing to flush."""
     try:
         yield llm
     finally:
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None:
-            core.shutdown()
+            core.shutdown(timeout=STOP_GRACE_S)
         gc.collect()

@@ -84,7 +84,7 @@ def vllm_dist(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def start_engine():
-    """``start_engine(model, *, in_process=False, apply_model=False, env=None, **LLM kwargs)``: a vLLM ``LLM``
+    """``start_engine(model, *, in_process=True, apply_model=False, env=None, **LLM kwargs)``: a vLLM ``LLM``
     (``tests/engines.py``) that runs until the module's tests are done, its environment restored after."""
     with contextlib.ExitStack() as stack:
         yield lambda model, **kw: stack.enter_context(vllm_engine(model, **kw))

@@ -6,10 +6,12 @@ What a test may ask for, each an explicit flag:
 
 * ``apply_model``: ``LLM.apply_model`` pickles a function to the worker, which vLLM allows only with
   ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (read when the function is sent, so it stays set while the engine lives);
-* ``in_process``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the engine core in this process, so the test reaches the
-  model objects (:func:`drafter`) and a worker's exception reaches the caller unchanged. Such an engine builds
-  vLLM's distributed groups in this process; they are destroyed when it stops, and vLLM's env cache (frozen by
-  an in-process engine core) is reset;
+* ``in_process`` (the default): ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the engine core and its worker in this
+  process, so the test reaches the model objects (:func:`drafter`) and a worker's exception reaches the caller
+  unchanged. ``in_process=False`` starts them as a server does, an engine-core process and a worker process,
+  each importing vLLM and the plugin again (~15 s of CPU per engine here). An in-process engine builds vLLM's
+  distributed groups in this process; they are destroyed when it stops, and vLLM's env cache (frozen by an
+  in-process engine core) is reset;
 * ``env``: any other variable the engine must start with (``VLLM_MLA_DISABLE=1`` keeps chunked prefill on for
   model_type deepseek_v4 on CPUs without AMX).
 """
@@ -43,7 +45,7 @@ STOP_GRACE_S = 1.0
 def vllm_engine(
     model: str | Path,
     *,
-    in_process: bool = False,
+    in_process: bool = True,
     apply_model: bool = False,
     env: Mapping[str, str] | None = None,
     **llm_kwargs,

@@ -19,6 +19,7 @@ What a test may ask for, each an explicit flag:
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,6 +67,7 @@ def vllm_engine(
         settings["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # groups already up belong to the caller (the vllm_dist fixture): an in-process engine joins them
     borrowed = in_process and torch.distributed.is_initialized()
+    before = _process_state()
     try:
         with pytest.MonkeyPatch.context() as mp:
             for key, value in settings.items():
@@ -83,7 +85,26 @@ def vllm_engine(
             finally:
                 _shut_down(llm, in_process and not borrowed)
     finally:
+        _restore(before)
         vllm.envs.disable_envs_cache()  # the restored environment is what vLLM reads next
+
+
+def _process_state() -> tuple[dict[str, str], set[int]]:
+    """This process's environment and its thread's CPU affinity: what a later subprocess inherits."""
+    return dict(os.environ), os.sched_getaffinity(0)
+
+
+def _restore(state: tuple[dict[str, str], set[int]]) -> None:
+    """Put back what :func:`_process_state` saw. vLLM's CPU platform and worker write ``os.environ`` as they start
+    (``LD_PRELOAD``, ``VLLM_DIST_IDENT``, ``VLLM_WORKER_MULTIPROC_METHOD``, ...) and bind the worker's thread to
+    its cores: in process, into this process, where every later subprocess would inherit them. A forked rank of
+    the real-class harness started after an in-process engine with that environment waited on a futex until its
+    20-minute timeout."""
+    env, cores = state
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    os.environ.update(env)
+    os.sched_setaffinity(0, cores)
 
 
 def _shut_down(llm, destroy_groups: bool) -> None:

@@ -41,6 +41,7 @@ def test_in_process_engine_with_apply_model_is_undone(ckpt, monkeypatch):
     monkeypatch.setenv("VLLM_MLA_DISABLE", "0")  # a value of the caller's, to be given back
     before = _left_behind()
     assert before["vllm_reads"] == (True, False) and before["groups"] is False
+    env, cores = dict(os.environ), os.sched_getaffinity(0)
     with vllm_engine(
         ckpt,
         in_process=True,
@@ -63,7 +64,11 @@ def test_in_process_engine_with_apply_model_is_undone(ckpt, monkeypatch):
         # in this process: the engine core is reachable, and apply_model ships its function to the worker
         assert type(llm.llm_engine.engine_core).__name__ == "InprocClient"
         assert llm.apply_model(operator.methodcaller("describe"))[0]["dtype"] == "torch.float32"
+        # vLLM's CPU platform and worker wrote their own variables into this process (LD_PRELOAD, ...)
+        assert set(os.environ) - set(env) - set(SET)
     assert _left_behind() == before
+    # all of it undone, and the worker's core binding: later subprocesses inherit both (tests/engines.py)
+    assert dict(os.environ) == env and os.sched_getaffinity(0) == cores
 
 
 def test_failed_in_process_start_is_undone(ckpt, tmp_path):
@@ -75,10 +80,10 @@ def test_failed_in_process_start_is_undone(ckpt, tmp_path):
     shutil.copytree(ckpt, bad)
     shard = next(bad.glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-1000])  # fails in the worker, after it built the distributed groups
-    before = _left_behind()
+    before, env = _left_behind(), dict(os.environ)
     with pytest.raises(CheckpointError, match="truncated safetensors file"):
         with vllm_engine(
             bad, in_process=True, dtype="float32", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True
         ):
             pass  # not reached: the engine must not start
-    assert _left_behind() == before
+    assert _left_behind() == before and dict(os.environ) == env

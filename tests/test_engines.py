@@ -41,6 +41,8 @@ def test_in_process_engine_with_apply_model_is_undone(ckpt, monkeypatch):
     monkeypatch.setenv("VLLM_MLA_DISABLE", "0")  # a value of the caller's, to be given back
     before = _left_behind()
     assert before["vllm_reads"] == (True, False) and before["groups"] is False
+    from vllm import LLM  # noqa: F401  (what importing vLLM sets, e.g. cv2's LD_LIBRARY_PATH, is not the engine's)
+
     env, cores = dict(os.environ), os.sched_getaffinity(0)
     with vllm_engine(
         ckpt,

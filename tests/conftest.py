@@ -28,7 +28,8 @@ def _one_core_per_worker() -> None:
     """
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
-        core = int(worker.removeprefix("gw")) % (os.cpu_count() or 1)
+        cores = sorted(os.sched_getaffinity(0))  # the cores this process may use, not every core of the machine
+        core = cores[int(worker.removeprefix("gw")) % len(cores)]
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(core))
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -44,10 +45,11 @@ def on_gfx950() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules marked ``engine`` first (``make test``'s two workers take whole modules in this order, so the long
-    ones start early and the short ones fill the end). Tests marked ``gfx950`` document what must hold on
-    MI350/MI355; elsewhere they are skipped, with why."""
-    items.sort(key=lambda item: item.get_closest_marker("engine") is None)  # stable: file order otherwise
+    """Modules with a test marked ``engine`` first (``make test``'s two workers take whole modules in this
+    order, so the long ones start early and the short ones fill the end). Tests marked ``gfx950`` document what
+    must hold on MI350/MI355; elsewhere they are skipped, with why."""
+    runs_vllm = {item.module for item in items if item.get_closest_marker("engine")}
+    items.sort(key=lambda item: item.module not in runs_vllm)  # whole modules, stable: file order otherwise
     if on_gfx950():
         return
     skip = pytest.mark.skip(reason="needs an AMD MI350/MI355 (gfx950) GPU with ROCm vLLM + AITER")

@@ -89,22 +89,29 @@ def vllm_engine(
         vllm.envs.disable_envs_cache()  # the restored environment is what vLLM reads next
 
 
-def _process_state() -> tuple[dict[str, str], set[int]]:
-    """This process's environment and its thread's CPU affinity: what a later subprocess inherits."""
-    return dict(os.environ), os.sched_getaffinity(0)
+def _process_state() -> tuple:
+    """This process's environment and its thread's CPU affinity (what a later subprocess inherits), and torch's
+    thread count and ``torch.set_num_threads`` (which vLLM's CPU worker replaces with a no-op)."""
+    import torch
+
+    return dict(os.environ), os.sched_getaffinity(0), torch.get_num_threads(), torch.set_num_threads
 
 
-def _restore(state: tuple[dict[str, str], set[int]]) -> None:
+def _restore(state: tuple) -> None:
     """Put back what :func:`_process_state` saw. vLLM's CPU platform and worker write ``os.environ`` as they start
     (``LD_PRELOAD``, ``VLLM_DIST_IDENT``, ``VLLM_WORKER_MULTIPROC_METHOD``, ...) and bind the worker's thread to
-    its cores: in process, into this process, where every later subprocess would inherit them. A forked rank of
-    the real-class harness started after an in-process engine with that environment waited on a futex until its
-    20-minute timeout."""
-    env, cores = state
+    its cores: in process, into this process, where every later subprocess would inherit them (in the first
+    clean-clone run with in-process engines, a forked rank of the real-class harness started after them waited on
+    a futex until its 20-minute timeout; not reproduced, so not proven the cause)."""
+    import torch
+
+    env, cores, threads, set_num_threads = state
     for key in set(os.environ) - set(env):
         del os.environ[key]
     os.environ.update(env)
     os.sched_setaffinity(0, cores)
+    torch.set_num_threads = set_num_threads
+    torch.set_num_threads(threads)
 
 
 def _shut_down(llm, destroy_groups: bool) -> None:

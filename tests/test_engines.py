@@ -41,9 +41,10 @@ def test_in_process_engine_with_apply_model_is_undone(ckpt, monkeypatch):
     monkeypatch.setenv("VLLM_MLA_DISABLE", "0")  # a value of the caller's, to be given back
     before = _left_behind()
     assert before["vllm_reads"] == (True, False) and before["groups"] is False
+    import torch
     from vllm import LLM  # noqa: F401  (what importing vLLM sets, e.g. cv2's LD_LIBRARY_PATH, is not the engine's)
 
-    env, cores = dict(os.environ), os.sched_getaffinity(0)
+    env, cores, set_num_threads = dict(os.environ), os.sched_getaffinity(0), torch.set_num_threads
     with vllm_engine(
         ckpt,
         in_process=True,
@@ -68,9 +69,11 @@ def test_in_process_engine_with_apply_model_is_undone(ckpt, monkeypatch):
         assert llm.apply_model(operator.methodcaller("describe"))[0]["dtype"] == "torch.float32"
         # vLLM's CPU platform and worker wrote their own variables into this process (LD_PRELOAD, ...)
         assert set(os.environ) - set(env) - set(SET)
+        assert torch.set_num_threads is not set_num_threads  # vLLM's CPU worker made it a no-op
     assert _left_behind() == before
     # all of it undone, and the worker's core binding: later subprocesses inherit both (tests/engines.py)
     assert dict(os.environ) == env and os.sched_getaffinity(0) == cores
+    assert torch.set_num_threads is set_num_threads
 
 
 def test_failed_in_process_start_is_undone(ckpt, tmp_path):

@@ -27,6 +27,8 @@ from vllm_dsv4_mtp.formats.quark_config import fp8_block_layer_config, mxfp4_exp
 from vllm_dsv4_mtp.testing.published_layouts import amd_quark_config
 from vllm_dsv4_mtp.tools.tiny import tiny_config
 
+pytestmark = pytest.mark.engine  # vLLM's real classes, in subprocesses
+
 L = 4  # the tiny config's MTP layer id (num_hidden_layers)
 
 

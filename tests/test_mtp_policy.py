@@ -343,7 +343,8 @@ def test_unpadded_drafts_on_cpu_are_refused_at_engine_start_from_two_draft_token
             pass  # not reached: the engine must not start
     assert str(e.value) == UNPADDED_DRAFTS_ON_CPU
     # its own process: in this one, a running in-process engine would join the module's vllm_dist groups
-    with vllm_engine(BF16_CHECKPOINT_DIR, speculative_config={**spec, "num_speculative_tokens": 1}, **kw) as llm:
+    k1 = {**spec, "num_speculative_tokens": 1}
+    with vllm_engine(BF16_CHECKPOINT_DIR, in_process=False, speculative_config=k1, **kw) as llm:
         sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
         (out,) = llm.generate([{"prompt_token_ids": list(range(3, 40))}], sp, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 12

@@ -11,6 +11,7 @@ the classes are the release's, only the C++ behind them is 0.32's. ``python -m v
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -36,7 +37,8 @@ def installed_vllm_dir() -> Path:
 def _link(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     if not dst.exists():  # resolved: a link through a checkout's symlinked .cache dies with that checkout
-        os.symlink(src.resolve(), dst)
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another process (make test's other worker)
+            os.symlink(src.resolve(), dst)
 
 
 def overlay_root(version: str, *, cache: Path | None = None) -> Path:

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pytest
+from vllm_dsv4_mtp.benchmarks import STOP_GRACE_S
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -34,12 +34,6 @@ if TYPE_CHECKING:
 PARITY_ENGINE = dict(
     dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8, skip_tokenizer_init=True, seed=0
 )
-
-
-#: seconds an engine core gets to exit after SIGTERM before vLLM kills it and its worker. vLLM 0.32's CPU engine
-#: takes ~5.5 s by itself (its worker notices the closed pipe after ~3 s, the core's own teardown as long again),
-#: past vLLM's default grace of 5 s, after which it is killed anyway; a test engine has nothing to flush.
-STOP_GRACE_S = 1.0
 
 
 @contextmanager
@@ -67,23 +61,21 @@ def vllm_engine(
         settings["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # groups already up belong to the caller (the vllm_dist fixture): an in-process engine joins them
     borrowed = in_process and torch.distributed.is_initialized()
-    before = _process_state()
+    before = _process_state()  # given back whole, the settings below included
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            for key, value in settings.items():
-                mp.setenv(key, value)
-            vllm.envs.disable_envs_cache()  # a cached read from before would hide what was just set
-            llm = None
-            try:
-                llm = LLM(model=str(model), **llm_kwargs)
-                if borrowed:  # only a start that fails may join them: stopping a running engine destroys them
-                    raise RuntimeError(
-                        "an in-process engine started inside an initialised vLLM distributed "
-                        "environment (the vllm_dist fixture): stopping it would destroy those groups"
-                    )
-                yield llm
-            finally:
-                _shut_down(llm, in_process and not borrowed)
+        os.environ.update(settings)
+        vllm.envs.disable_envs_cache()  # a cached read from before would hide what was just set
+        llm = None
+        try:
+            llm = LLM(model=str(model), **llm_kwargs)
+            if borrowed:  # only a start that fails may join them: stopping a running engine destroys them
+                raise RuntimeError(
+                    "an in-process engine started inside an initialised vLLM distributed "
+                    "environment (the vllm_dist fixture): stopping it would destroy those groups"
+                )
+            yield llm
+        finally:
+            _shut_down(llm, in_process and not borrowed)
     finally:
         _restore(before)
         vllm.envs.disable_envs_cache()  # the restored environment is what vLLM reads next

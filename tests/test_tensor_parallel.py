@@ -31,6 +31,7 @@ pytestmark = pytest.mark.engine
 SCRIPT = r"""
 import json, sys
 from vllm import LLM, SamplingParams
+from vllm_dsv4_mtp.benchmarks import running
 
 def main():
     tp, ep, k = int(sys.argv[1]), sys.argv[2].startswith("ep"), int(sys.argv[3])
@@ -42,15 +43,15 @@ def main():
     sp = SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=1, detokenize=False)
     # one prompt at a time: every configuration then batches the same tokens in each step (given both at
     # once, TP1 prefilled them in one step and TP2 in two, which is batch-shape noise, not parallelism)
-    outs = [llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0] for p in prompts]
+    with running(llm):  # its engine stopped with vllm_dsv4_mtp.benchmarks.STOP_GRACE_S
+        outs = [llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0] for p in prompts]
     rows = []
     for p, o in zip(prompts, outs):
         lps = o.prompt_logprobs[1:]
         rows.append({"gen": list(o.outputs[0].token_ids),
                      "top1": [max(v.logprob for v in d.values()) for d in lps],
                      "actual": [d[t].logprob for d, t in zip(lps, p[1:])]})
-    print("RESULT " + json.dumps(rows), flush=True)
-    llm.llm_engine.engine_core.shutdown(timeout=1.0)  # tests/engines.py: STOP_GRACE_S, why
+    print("RESULT " + json.dumps(rows))
 
 if __name__ == "__main__":
     main()

@@ -8,7 +8,9 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-#: seconds a stopped engine core gets before vLLM kills it and its worker (:func:`running`)
+#: seconds a stopped engine core gets before vLLM kills it and its worker (:func:`running`, the tests' engines).
+#: vLLM 0.32's CPU engine core takes ~5.5 s to exit by itself (its worker notices the closed pipe after ~3 s, the
+#: core's own teardown as long again), past vLLM's default grace of 5 s, after which it is killed anyway.
 STOP_GRACE_S = 1.0
 
 
@@ -30,8 +32,7 @@ def running(llm) -> Iterator[Any]:
     Why: a benchmark that raises with an engine still running does not exit. Python's multiprocessing atexit
     handler joins the live EngineCore process, which waits for a shutdown that never comes (seen in CI, stop
     20: the traceback printed, then the process sat idle until its test's 900 s timeout). The core gets
-    :data:`STOP_GRACE_S` to exit: vLLM 0.32's CPU engine core needs ~5.5 s by itself, past vLLM's default grace
-    of 5 s after which vLLM kills it anyway, and a benchmark's engine has nothing to flush."""
+    :data:`STOP_GRACE_S` to exit: a benchmark's engine has nothing to flush."""
     try:
         yield llm
     finally:

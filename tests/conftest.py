@@ -37,6 +37,34 @@ def _one_core_per_worker() -> None:
 _one_core_per_worker()
 
 
+#: the modules that run vLLM's real in-tree classes in subprocesses of their own (``run_worker``), with forked
+#: tensor-parallel ranks, up to 8 a case
+IN_TREE_HARNESS = (
+    "test_in_tree_mtp_real.py",
+    "test_in_tree_mtp_forward.py",
+    "test_in_tree_mtp_stored.py",
+    "test_gfx950_draft_plan.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the :data:`IN_TREE_HARNESS` modules one unit of work: one worker runs them one
+    after another. Why: two of them at once on the two workers, each with its forked ranks, took 4x as long as
+    one alone (docs/benchmarks.md, "make test"); a worker kept apart from the other's harness costs no idle time,
+    as a lock would."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class HarnessOneAtATime(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "in-tree harness" if path.rsplit("/", 1)[-1] in IN_TREE_HARNESS else path
+
+    return HarnessOneAtATime(config, log)
+
+
 def on_gfx950() -> bool:
     """True on an AMD MI350/MI355 (gfx950) GPU: the plugin's own platform choice (``vllm_dsv4_mtp.platform``)."""
     from vllm_dsv4_mtp.platform import is_gfx950

@@ -77,8 +77,10 @@ def test_float32_weights_keep_vllms_dispatch(monkeypatch):
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-6, atol=1e-6)
 
 
-def _vllm_linears(w, quant_config, process=True):
-    """One of each vLLM linear class the portable model builds, each with the weight ``w: [160, 96]``."""
+def _vllm_linears(w, prepared, process=True, prefix=""):
+    """One of each vLLM linear class the portable model builds, each with the weight ``w: [160, 96]``; with
+    ``prepared``, through ``prepared_linear``. ``process``: what vLLM does after loading, its per-layer
+    processing, then (``prepared``) the model's ``prepare_weights``."""
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
@@ -86,70 +88,74 @@ def _vllm_linears(w, quant_config, process=True):
         RowParallelLinear,
     )
 
+    wrap = cl.prepared_linear if prepared else (lambda layer: layer)
     torch.set_default_dtype(w.dtype)
     try:
         layers = {
-            "replicated": ReplicatedLinear(96, 160, bias=False, quant_config=quant_config, return_bias=False),
-            "merged": MergedColumnParallelLinear(
-                96, [64, 96], bias=False, quant_config=quant_config, return_bias=False
-            ),
-            "column": ColumnParallelLinear(96, 160, bias=False, quant_config=quant_config, return_bias=False),
-            "row": RowParallelLinear(96, 160, bias=False, quant_config=quant_config, return_bias=False),
+            "replicated": ReplicatedLinear(96, 160, bias=False, return_bias=False, prefix=f"{prefix}replicated"),
+            "merged": MergedColumnParallelLinear(96, [64, 96], bias=False, return_bias=False, prefix=f"{prefix}merged"),
+            "column": ColumnParallelLinear(96, 160, bias=False, return_bias=False, prefix=f"{prefix}column"),
+            "row": RowParallelLinear(96, 160, bias=False, return_bias=False, prefix=f"{prefix}row"),
         }
+        layers = {name: wrap(layer) for name, layer in layers.items()}
     finally:
         torch.set_default_dtype(torch.float32)
     for layer in layers.values():
         layer.weight.data.copy_(w)
         if process:
             layer.quant_method.process_weights_after_loading(layer)
+    if process and prepared:
+        cl.prepare_weights(torch.nn.ModuleList(layers.values()))
     return layers
 
 
 @pytest.mark.usefixtures("vllm_dist")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_models_vllm_linears_take_the_float32_route_where_the_cpu_has_no_16bit_gemm(dtype, monkeypatch):
-    """``LINEARS`` gives vLLM's linear classes the float32 route: without a 16-bit GEMM each is the float32
+    """``prepare_weights`` gives vLLM's linear classes the float32 route: without a 16-bit GEMM each is the float32
     product rounded once, bit for bit (64 rows: where torch's 16-bit fallback is 10-15x slower on an AVX2 CPU);
-    with one, exactly what vLLM's own unquantized method computes for the same weights (the same dispatch)."""
+    with one, exactly what vLLM's own unquantized method computes for the same weights (the same dispatch). The
+    loaded weight stays as loaded either way, and preparing again changes nothing."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     x, w = _operands(dtype, 64)
     once = F.linear(x.float(), w.float()).to(dtype)
 
     monkeypatch.setattr(KIT, "native_gemm", lambda d: False)
-    for name, layer in _vllm_linears(w, cl.LINEARS).items():
-        assert isinstance(layer.quant_method, UnquantizedLinearMethod), name  # what vLLM's own code tests for
-        assert torch.equal(layer.float32_weight, w.float()), name
-        # emptied as vLLM's dispatch empties a packed weight; processing twice keeps the copy
-        assert layer.weight.numel() == 0 and layer.weight.dtype == dtype, name
-        layer.quant_method.process_weights_after_loading(layer)
-        got = layer(x)
-        assert got.dtype == dtype and torch.equal(got, once), name
+    layers = _vllm_linears(w, prepared=True)
+    for _ in range(2):
+        for name, layer in layers.items():
+            assert isinstance(layer.quant_method, UnquantizedLinearMethod), name  # what vLLM's own code tests for
+            assert torch.equal(layer.float32_weight, w.float()), name
+            assert torch.equal(layer.weight, w), name
+            got = layer(x)
+            assert got.dtype == dtype and torch.equal(got, once), name
+        cl.prepare_weights(torch.nn.ModuleList(layers.values()))
 
     monkeypatch.setattr(KIT, "native_gemm", lambda d: True)
-    plain = _vllm_linears(w, None)
-    for name, layer in _vllm_linears(w, cl.LINEARS).items():
-        assert not hasattr(layer, "float32_weight"), name
+    plain = _vllm_linears(w, prepared=False)
+    for name, layer in _vllm_linears(w, prepared=True).items():
+        assert layer.float32_weight is None and torch.equal(layer.weight, w), name
         assert torch.equal(layer(x), plain[name](x)), name
 
 
 @pytest.mark.usefixtures("vllm_dist")
-def test_float32_linears_keep_vllms_unquantized_method(monkeypatch):
-    """The float32 parity engines: ``LINEARS`` changes nothing for float32 weights, whatever the CPU."""
+def test_float32_linears_compute_what_vllms_unquantized_method_computes(monkeypatch):
+    """The float32 parity engines: a prepared float32 linear is vLLM's own dispatch, whatever the CPU."""
     x, w = _operands(torch.float32, 7)
     monkeypatch.setattr(KIT, "native_gemm", lambda d: pytest.fail("asked for a float32 weight"))
-    plain = _vllm_linears(w, None)
-    for name, layer in _vllm_linears(w, cl.LINEARS).items():
-        assert not hasattr(layer, "float32_weight"), name
+    plain = _vllm_linears(w, prepared=False)
+    for name, layer in _vllm_linears(w, prepared=True).items():
+        assert layer.float32_weight is None and torch.equal(layer.weight, w), name
         assert torch.equal(layer(x), plain[name](x)), name
 
 
 @pytest.mark.usefixtures("vllm_dist")
 def test_the_linears_load_through_the_same_vllm_loaders_as_unquantized_ones():
-    """vLLM picks a linear's weight loader by its method's class name: with ``LINEARS`` each class gets the loader
-    it gets without a quant_config (the v2 loaders for the parallel ones), and shards land in the same rows."""
+    """vLLM picks a linear's weight loader by its method's class name when it builds the layer: a prepared one gets
+    the loader it gets unprepared (the v2 loaders for the parallel ones), and shards land in the same rows."""
     _, w = _operands(torch.bfloat16, 1)
-    plain, routed = _vllm_linears(w, None, process=False), _vllm_linears(w, cl.LINEARS, process=False)
+    plain, routed = _vllm_linears(w, False, process=False), _vllm_linears(w, True, process=False)
     for name in plain:
         assert routed[name].weight.weight_loader.__name__ == plain[name].weight.weight_loader.__name__, name
     assert {n: routed[n].weight.weight_loader.__name__ for n in ("merged", "column", "row")} == dict.fromkeys(
@@ -166,40 +172,19 @@ def test_the_linears_load_through_the_same_vllm_loaders_as_unquantized_ones():
 
 
 @pytest.mark.usefixtures("vllm_dist")
-@pytest.mark.parametrize("dtype, route", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)])
-def test_a_kept_layer_keeps_its_loaded_weight_through_processing_and_computes_the_same(dtype, route, monkeypatch):
-    """What a pack of the model reads after vLLM has processed a layer (its in-place reload processes each layer
-    before the model's ``load_weights`` packs): a layer marked by ``keep_loaded_weight`` still holds its loaded
-    weight, where an unmarked one has it emptied (the float32 route's copy; vLLM's float32 dispatch, which packs
-    on x86), and computes exactly what the unmarked one computes, also processed twice; bf16 off the route is the
-    branch AVX512-BF16 / AMX CPUs take. ``loaded_weight`` of an unmarked layer is an error naming it, whatever
-    state its weight is in."""
-    from vllm.model_executor.layers.linear import RowParallelLinear
-
-    x, w = _operands(dtype, 5)
-    monkeypatch.setattr(KIT, "native_gemm", lambda d: not route)
-    plain = _vllm_linears(w, cl.LINEARS)
-    kept = _vllm_linears(w, cl.LINEARS, process=False)
-    for name, layer in kept.items():
-        if route or dtype == torch.float32:  # (vLLM's bf16 dispatch keeps the weight where it falls back to torch)
-            assert plain[name].weight.numel() == 0, name  # the hazard: processing empties an unmarked weight
-        for _ in range(2):  # vLLM may process a layer more than once (its reload does, after the first load)
-            cl.keep_loaded_weight(layer).quant_method.process_weights_after_loading(layer)
-            got = cl.loaded_weight(layer)
-            assert got.dtype == dtype and torch.equal(got, w), name
-            assert torch.equal(layer(x), plain[name](x)), name
-            assert (getattr(layer, "float32_weight", None) is not None) == route, name
-    torch.set_default_dtype(dtype)
-    try:
-        unmarked = RowParallelLinear(
-            96,
-            160,
-            bias=False,
-            quant_config=cl.LINEARS,
-            return_bias=False,
-            prefix="model.layers.1.ffn.shared_experts.down_proj",
-        )
-    finally:
-        torch.set_default_dtype(torch.float32)
-    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.ffn\.shared_experts\.down_proj: .*keep_loaded_weight"):
-        cl.loaded_weight(unmarked)  # before processing too: the pack would fail on a reload only
+def test_a_linear_used_before_prepare_weights_is_an_error_naming_it(monkeypatch):
+    """vLLM's own processing leaves a prepared linear's weight as loaded (its CPU method would pack it away); a
+    forward before ``prepare_weights`` names the layer instead of computing with something unprepared. A layer
+    vLLM built with another method (a quant config's) is refused by ``prepared_linear``."""
+    x, w = _operands(torch.bfloat16, 3)
+    monkeypatch.setattr(KIT, "native_gemm", lambda d: False)
+    layers = _vllm_linears(w, prepared=True, process=False, prefix="model.layers.1.attn.")
+    for name, layer in layers.items():
+        layer.quant_method.process_weights_after_loading(layer)
+        assert torch.equal(layer.weight, w), name
+        with pytest.raises(RuntimeError, match=rf"model\.layers\.1\.attn\.{name}: no GEMM prepared; prepare_weights"):
+            layer(x)
+    odd = layers["row"]
+    odd.quant_method = object()
+    with pytest.raises(TypeError, match=r"model\.layers\.1\.attn\.row: object, expected vLLM's unquantized"):
+        cl.prepared_linear(odd)

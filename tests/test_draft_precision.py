@@ -134,6 +134,7 @@ def _build(ckpt, monkeypatch, precision, log: list | None = None):
 
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     from vllm_dsv4_mtp.formats.checkpoint import CheckpointReader
@@ -162,6 +163,8 @@ def _build(ckpt, monkeypatch, precision, log: list | None = None):
         logger.setLevel(level)
     reader = CheckpointReader(ckpt)
     draft.load_weights((n, reader.get(n)) for n in reader.names())
+    # what vLLM's loader does after load_weights: each layer's processing, then the model's hook
+    process_weights_after_loading(draft, cfg.model_config, torch.device("cpu"))
     return draft
 
 
@@ -188,10 +191,6 @@ def test_stored_draft_rounds_what_the_checkpoint_declares(ckpts, monkeypatch):
     # the same weights (the exact decode) either way
     ps, pb = dict(stored.named_parameters()), dict(bf16.named_parameters())
     assert ps.keys() == pb.keys() and all(torch.equal(ps[k], pb[k]) for k in ps)
-    for draft in (stored, bf16):  # what vLLM's loader does after load_weights
-        for m in draft.modules():
-            if getattr(m, "quant_method", None) is not None:
-                m.quant_method.process_weights_after_loading(m)
     # the MoE of the MTP block: stored rounds its inputs, bf16 does not; each equals its own recomputation
     torch.manual_seed(0)
     x = torch.randn(5, 128, dtype=torch.bfloat16)

@@ -156,9 +156,9 @@ def test_parallel_ranks_sum_to_the_whole(expert_parallel):
         assert p.weight_loader(p, weights[3]["w1"], "experts.3.w1.weight", "w1", 3, return_success=True) is True
 
 
-def _kept(w: torch.Tensor, prefix: str = "layers.0.ffn.shared_experts.gate_up_proj") -> SimpleNamespace:
-    """What ``pack_all`` reads of a shared-expert linear (``cpu.linear.loaded_weight``): a marked layer's weight."""
-    return SimpleNamespace(weight=torch.nn.Parameter(w, requires_grad=False), keeps_loaded_weight=True, prefix=prefix)
+def _kept(w: torch.Tensor) -> SimpleNamespace:
+    """What ``pack_all`` reads of a shared-expert linear: its weight as loaded."""
+    return SimpleNamespace(weight=torch.nn.Parameter(w, requires_grad=False))
 
 
 def _all_and_dispatch(ex, x, ws, ids, shared=None):
@@ -251,12 +251,12 @@ def test_all_expert_pass_is_taken_for_small_moes_only(monkeypatch):
     assert tiny.takes_all(64) and not tiny.takes_all(192)
     with pytest.raises(ValueError, match="shared expert's weights"):
         tiny.pack_all((_kept(torch.zeros(128, 128)), _kept(torch.zeros(128, 128))))
-    # a MoE whose pass would not pay with the shared expert in it makes none and reads nothing of it (its
-    # linears are then not kept, and vLLM may have emptied them), even where the routed experts alone would pay
+    # a MoE whose pass would not pay with the shared expert in it makes none and reads nothing of it, even where
+    # the routed experts alone would pay
     edge = experts.PortableExperts(8, 128, 128, 10.0, dtype=torch.bfloat16)
     assert edge.packs_all(with_shared=False)
     monkeypatch.setattr(experts, "ALL_EXPERTS_MACS", 8 * 3 * 128 * 128)
     assert edge.packs_all(with_shared=False) and not edge.packs_all(with_shared=True)
-    emptied = SimpleNamespace(weight=torch.empty(0), keeps_loaded_weight=False, prefix="x")
+    emptied = SimpleNamespace(weight=torch.empty(0))  # would fail the shape check if read
     edge.pack_all((emptied, emptied))
     assert not edge.takes_all(1)

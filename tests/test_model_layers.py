@@ -36,11 +36,15 @@ def _configs(tmp_path, **overrides):
 
 
 def _finish_loading(module):
-    """What vLLM's loader does after load_weights (CPU GEMM dispatch of the linear layers)."""
+    """What vLLM's loader does after load_weights (its per-layer processing), then the GEMMs of the model's
+    post-load stage (``cpu.linear.prepare_linears``; packing is the tests' choice: ``prepare_weights``)."""
+    from vllm_dsv4_mtp.cpu.linear import prepare_linears
+
     for m in module.modules():
         qm = getattr(m, "quant_method", None)
         if qm is not None:
             qm.process_weights_after_loading(m)
+    prepare_linears(module)
 
 
 def _randomize(module, seed):
@@ -376,9 +380,9 @@ def _copy_moe(ref, mine, fmt, pack=False):
             param = ex.w2_weight if shard == "w2" else ex.w13_weight
             param.weight_loader(param, w, f"experts.{e}.{shard}.weight", shard_id=shard, expert_id=e)
     if pack:
-        from vllm_dsv4_mtp.cpu.linear import pack_weights
+        from vllm_dsv4_mtp.cpu.linear import prepare_weights
 
-        pack_weights(torch.nn.ModuleList([mine]))
+        prepare_weights(torch.nn.ModuleList([mine]))
     _finish_loading(mine)
 
 

@@ -245,6 +245,8 @@ def test_mtp_tensors_are_skipped_on_purpose(ckpts):
 def test_mxfp4_shared_experts_fse_layout(ckpts):
     """The AMD export's main-layer shared experts are MXFP4 (packed + E8M0): decoded exactly at load and run with
     the W4A4 activation rounding of the routed experts."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
     from vllm_dsv4_mtp.formats import mxfp4
     from vllm_dsv4_mtp.model.experts import swiglu_clamped
 
@@ -262,18 +264,20 @@ def test_mxfp4_shared_experts_fse_layout(ckpts):
     x = torch.randn(6, 128, dtype=torch.bfloat16)
     xq = mxfp4.fake_quant(x)
     want = mxfp4.fake_quant(swiglu_clamped(xq @ dq["w1"].T, xq @ dq["w3"].T, 10.0)) @ dq["w2"].T
-    for m in shared.modules():  # what vLLM's loader does after load_weights (CPU GEMM dispatch)
-        if getattr(m, "quant_method", None) is not None:
-            m.quant_method.process_weights_after_loading(m)
+    # what vLLM's loader does after load_weights: per layer, then the model's hook (the GEMMs)
+    process_weights_after_loading(model, model.vllm_config.model_config, torch.device("cpu"))
     torch.testing.assert_close(shared(x), want, atol=0, rtol=0)
 
 
 @pytest.mark.usefixtures("vllm_dist")
 @pytest.mark.parametrize("native", [False, True])
 def test_every_vllm_linear_of_the_model_takes_the_cpus_gemm_route(ckpts, native, monkeypatch):
-    """A bf16 model after vLLM's post-load step: on a CPU without a 16-bit GEMM every vLLM linear layer of the
-    target (attention projections, compressors, indexers, shared experts) holds the float32 copy of exactly its
-    loaded weight; on one with it none does and each has vLLM's own dispatched GEMM instead."""
+    """A bf16 model after vLLM's post-load step (its per-layer processing, then the model's hook, the stage
+    ``prepare_weights``): on a CPU without a 16-bit GEMM every vLLM linear layer of the target (attention
+    projections, compressors, indexers, shared experts) computes through the float32 copy of exactly its loaded
+    weight; on one with it none has a copy and each computes what vLLM's own dispatch computes. Every loaded
+    weight stays as loaded."""
+    import torch.nn.functional as F
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
@@ -288,7 +292,11 @@ def test_every_vllm_linear_of_the_model_takes_the_cpus_gemm_route(ckpts, native,
     kinds = {n.rsplit(".", 1)[-1] for n in linears}
     assert {"fused_wqa_wkv", "wq_b", "wo_b", "fused_wkv_wgate", "weights_proj", "gate_up_proj", "down_proj"} <= kinds
     for name, m in linears.items():
+        w = loaded[name]
+        assert w.dtype == torch.bfloat16 and torch.equal(m.weight, w), name
+        xk = torch.randn(3, w.shape[1]).to(torch.bfloat16)
         if native:
-            assert not hasattr(m, "float32_weight") and callable(m.cpu_linear), name
+            assert m.float32_weight is None, name
         else:
-            assert loaded[name].dtype == torch.bfloat16 and torch.equal(m.float32_weight, loaded[name].float()), name
+            assert torch.equal(m.float32_weight, w.float()), name
+            assert torch.equal(m.gemm(xk), F.linear(xk.float(), w.float()).to(torch.bfloat16)), name

@@ -353,8 +353,8 @@ def test_unpadded_drafts_on_cpu_are_refused_at_engine_start_from_two_draft_token
 @pytest.mark.usefixtures("vllm_dist")
 def test_draft_linears_take_the_float32_route_where_the_cpu_has_no_16bit_gemm(ckpts, monkeypatch):
     """The MTP layer's vLLM linears (``e_proj``, ``h_proj`` and its block's) after vLLM's post-load step on a CPU
-    without a 16-bit GEMM: each holds the float32 copy of exactly its loaded weight and computes through it; only
-    the shared expert's keep their loaded weight beside it."""
+    without a 16-bit GEMM: each holds the float32 copy of exactly its loaded weight and computes through it, the
+    loaded weight beside it."""
     import torch.nn.functional as F
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -371,13 +371,7 @@ def test_draft_linears_take_the_float32_route_where_the_cpu_has_no_16bit_gemm(ck
     assert {"model.layers.4.e_proj", "model.layers.4.h_proj"} <= set(linears)
     for name, m in linears.items():
         assert torch.equal(m.float32_weight, loaded[name].float()), name
-        # the shared expert joins the routed pass, whose pack reads its weights: they stay, the others are emptied
-        kept = getattr(m, "keeps_loaded_weight", False)
-        assert kept == (".shared_experts." in name), name
-        if kept:
-            assert torch.equal(m.weight, loaded[name]), name
-        else:
-            assert m.weight.numel() == 0, name
+        assert torch.equal(m.weight, loaded[name]), name
     e_proj = linears["model.layers.4.e_proj"]
     assert torch.equal(loaded["model.layers.4.e_proj"], tensors["mtp.0.e_proj.weight"])
     x = torch.randn(5, 128).to(torch.bfloat16)

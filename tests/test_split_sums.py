@@ -104,33 +104,27 @@ def test_two_ranks_add_up_to_one_rank_bit_for_bit(expert_parallel):
 
 
 @pytest.mark.usefixtures("vllm_dist")
-def test_split_sum_linears_keep_a_float32_weight_for_their_float64_copy():
-    """``split_sum_linear`` marks a float32 row-parallel linear to keep its loaded weight, so its float64 copy is
-    made from it also after vLLM's float32 dispatch has processed the layer (an in-place reload processes each
-    layer before the model packs); a 16-bit one is left to vLLM's kernels, needs no copy, and its weight (packed
-    away on an AVX512-BF16 / AMX CPU) is never read."""
+def test_a_float32_row_linear_gets_its_float64_copy_from_the_weight_as_loaded():
+    """``wo_b`` and the shared expert's ``down_proj``: their float64 copy is made from the loaded weight after
+    vLLM has processed the layer (an in-place reload processes each layer before the model packs; vLLM's own
+    float32 CPU method would have packed the weight away); a 16-bit one is left to its prepared GEMM."""
     from vllm.model_executor.layers.linear import RowParallelLinear
 
-    from vllm_dsv4_mtp.cpu.linear import LINEARS
-    from vllm_dsv4_mtp.model.split_sums import split_sum_linear, wide_layer
+    from vllm_dsv4_mtp.cpu.linear import prepared_linear
+    from vllm_dsv4_mtp.model.split_sums import wide_layer
 
     def row(dtype):
         torch.set_default_dtype(dtype)
         try:
-            return RowParallelLinear(
-                8, 4, bias=False, quant_config=LINEARS, return_bias=False, prefix="model.layers.0.attn.wo_b"
+            return prepared_linear(
+                RowParallelLinear(8, 4, bias=False, return_bias=False, prefix="model.layers.0.attn.wo_b")
             )
         finally:
             torch.set_default_dtype(torch.float32)
 
     w, x = torch.randn(4, 8), torch.randn(3, 8)
-    wide = split_sum_linear(row(torch.float32))
+    wide = row(torch.float32)
     wide.weight.data.copy_(w)
     wide.quant_method.process_weights_after_loading(wide)
     assert torch.equal(wide_layer(wide)(x), x.double() @ w.double().T)
-    half = split_sum_linear(row(torch.bfloat16))
-    assert not getattr(half, "keeps_loaded_weight", False)
-    half.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
-    assert wide_layer(half) is None
-    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.attn\.wo_b: .*keep_loaded_weight"):
-        wide_layer(row(torch.float32))  # unmarked
+    assert wide_layer(row(torch.bfloat16)) is None

@@ -2,12 +2,12 @@
 weights into a running engine) on the plugin's model: bf16 on the float32 GEMM route (``cpu/linear.py``)
 and on vLLM's own 16-bit CPU GEMM, float32, and a dummy-loaded engine with MTP on.
 
-vLLM's reload processes each layer as soon as its tensors are in, so the route has already emptied the shared
-expert's 16-bit weights when the model's ``load_weights`` packed the MoE's joined expert pass: the reload failed
-half way with the MoE's pack error, leaving a model of mixed weights behind; where vLLM's dispatch packs 16-bit
-weights (AVX512-BF16 / AMX CPUs) it failed at the shared expert the same way, and a float32 model's reload failed at
-``wo_b``, whose weight vLLM's float32 dispatch had packed away. The layers whose weights a pack reads now keep
-them (``cpu.linear.keep_loaded_weight``).
+vLLM's reload processes each layer as soon as its tensors are in, before the model's ``load_weights`` ends. Once,
+that processing emptied the shared expert's 16-bit weights before the MoE's joined expert pass was packed from them:
+the reload failed half way, leaving a model of mixed weights behind (where vLLM's dispatch packs 16-bit weights,
+AVX512-BF16 / AMX CPUs, the same; a float32 model's reload failed at ``wo_b``). The model's linears now keep their
+loaded weights, and the one post-load stage, ``cpu.linear.prepare_weights``, runs again at the end of
+``load_weights``.
 """
 
 from __future__ import annotations
@@ -100,9 +100,9 @@ def test_in_place_reload_of_a_bf16_model_serves_exactly_the_new_weights(a_and_b,
 
 def test_in_place_reload_of_a_float32_model_serves_exactly_the_new_weights(a_and_b):
     """A float32 model keeps ``wo_b`` and the shared expert's ``down_proj`` (sums TP splits) in float64, made from
-    the loaded weights when the model packs; vLLM's float32 CPU dispatch packs the weights of its linears away,
-    and its reload processes a layer before the model packs. Those layers keep their loaded weight
-    (``cpu.linear.keep_loaded_weight``), so the reload serves B exactly: the same tokens and prompt log-probs as
+    the loaded weights when the model packs; vLLM's float32 CPU dispatch would pack the weights of its linears
+    away, and its reload processes a layer before the model packs. The model's linears keep their loaded weight
+    (``cpu.linear.prepared_linear``), so the reload serves B exactly: the same tokens and prompt log-probs as
     a fresh engine on B (float32: bit for bit). Before, the reload failed at ``wo_b``."""
     from vllm import SamplingParams
 

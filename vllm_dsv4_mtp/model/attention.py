@@ -41,7 +41,7 @@ from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
 from vllm_dsv4_mtp.cpu import sink_loop
 from vllm_dsv4_mtp.cpu.kit import KIT
-from vllm_dsv4_mtp.cpu.linear import LINEARS, Linear, dispatched_linear, plain_linears, slice_linears
+from vllm_dsv4_mtp.cpu.linear import Linear, dispatched_linear, plain_linears, prepared_linear, slice_linears
 from vllm_dsv4_mtp.cpu.paged_window import WindowKernel
 from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata, SharedKeys
 from vllm_dsv4_mtp.model.compressor import Compressor
@@ -50,7 +50,7 @@ from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
 from vllm_dsv4_mtp.model.paged_rows import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.rope import layer_rope
 from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
-from vllm_dsv4_mtp.model.split_sums import all_reduce, split_sum_linear, wide_layer
+from vllm_dsv4_mtp.model.split_sums import all_reduce, wide_layer
 
 # the intermediates of one group of segments (masks, gathered keys, indexer scores) stay below this many elements
 GROUP_BUDGET = 1 << 23
@@ -146,35 +146,36 @@ class DeepseekV4Attention(nn.Module):
 
     def _build_projections(self, spec: DeepseekV4Spec, prefix: str) -> None:
         """Query/KV projections (``wq_a`` and ``wkv`` fused: one GEMM of the same input), grouped output, sink."""
-        self.fused_wqa_wkv = MergedColumnParallelLinear(
-            self.hidden_size,
-            [spec.q_lora_rank, self.head_dim],
-            bias=False,
-            quant_config=LINEARS,
-            prefix=f"{prefix}.fused_wqa_wkv",
-            disable_tp=True,
-            return_bias=False,
+        self.fused_wqa_wkv = prepared_linear(
+            MergedColumnParallelLinear(
+                self.hidden_size,
+                [spec.q_lora_rank, self.head_dim],
+                bias=False,
+                prefix=f"{prefix}.fused_wqa_wkv",
+                disable_tp=True,
+                return_bias=False,
+            )
         )
         self.q_norm = RMSNorm(spec.q_lora_rank, eps=self.eps)
         self.kv_norm = RMSNorm(self.head_dim, eps=self.eps)
-        self.wq_b = ColumnParallelLinear(
-            spec.q_lora_rank,
-            self.n_heads * self.head_dim,
-            bias=False,
-            quant_config=LINEARS,
-            prefix=f"{prefix}.wq_b",
-            return_bias=False,
+        self.wq_b = prepared_linear(
+            ColumnParallelLinear(
+                spec.q_lora_rank,
+                self.n_heads * self.head_dim,
+                bias=False,
+                prefix=f"{prefix}.wq_b",
+                return_bias=False,
+            )
         )
         # grouped low-rank output: wo_a is block-diagonal over groups, applied as a batched matmul
         self.wo_a = GroupedLinear(
             self.n_heads * self.head_dim // self.n_groups, self.o_lora_rank, self.n_groups, self.n_local_groups
         )
-        self.wo_b = split_sum_linear(
+        self.wo_b = prepared_linear(
             RowParallelLinear(
                 self.n_groups * self.o_lora_rank,
                 self.hidden_size,
                 bias=False,
-                quant_config=LINEARS,
                 prefix=f"{prefix}.wo_b",
                 return_bias=False,
             )

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO, blocks_per_entry
-from vllm_dsv4_mtp.cpu.linear import LINEARS
+from vllm_dsv4_mtp.cpu.linear import prepared_linear
 from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
 from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.paged_rows import PagedRowCache
@@ -76,14 +76,15 @@ class Compressor(nn.Module):
         self.blocks_per_entry = blocks_per_entry(ratio)
         width = self.blocks_per_entry * head_dim
         self.row_width = 2 * width  # [c | z] per token
-        self.fused_wkv_wgate = MergedColumnParallelLinear(
-            hidden_size,
-            [width, width],
-            bias=False,
-            quant_config=LINEARS,
-            prefix=f"{prefix}.fused_wkv_wgate",
-            disable_tp=True,
-            return_bias=False,
+        self.fused_wkv_wgate = prepared_linear(
+            MergedColumnParallelLinear(
+                hidden_size,
+                [width, width],
+                bias=False,
+                prefix=f"{prefix}.fused_wkv_wgate",
+                disable_tp=True,
+                return_bias=False,
+            )
         )
         self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32), requires_grad=False)
         self.norm = RMSNorm(head_dim, eps=norm_eps)

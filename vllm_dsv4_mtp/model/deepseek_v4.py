@@ -28,7 +28,7 @@ from vllm.platforms import current_platform
 
 from vllm_dsv4_mtp.config import spec_from_hf_config
 from vllm_dsv4_mtp.cpu.kit import KIT
-from vllm_dsv4_mtp.cpu.linear import pack_weights
+from vllm_dsv4_mtp.cpu.linear import prepare_weights
 from vllm_dsv4_mtp.formats.checkpoint import validate_shard_headers
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
@@ -172,7 +172,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             source=self.source,
             param_for=lambda name: target_param(name, num_hidden_layers=spec.num_hidden_layers),
         ).load(weights)
-        pack_weights(self)
+        if reload:  # vLLM's in-place reload calls load_weights, not the hook below
+            prepare_weights(self)
         if reload and self.model._mtp_hidden_buffer is not None:
             # vLLM's reload_weights reaches get_model() only (0.32, 0.33): the draft is a model of its own
             logger.warning(
@@ -181,3 +182,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 "fall): start a new engine to update the draft"
             )
         return loaded
+
+    def process_weights_after_loading(self) -> None:
+        """vLLM's model-level post-load hook, after every first load (the dummy one too): the one post-load
+        stage (``cpu/linear.py``)."""
+        prepare_weights(self)

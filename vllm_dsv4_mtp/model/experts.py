@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_dsv4_mtp.cpu.kit import round_to_mxfp4
-from vllm_dsv4_mtp.cpu.linear import Linear, dispatched_linear, loaded_weight, plain_linears, slice_linears
+from vllm_dsv4_mtp.cpu.linear import Linear, dispatched_linear, plain_linears, slice_linears
 from vllm_dsv4_mtp.formats import mxfp4
 from vllm_dsv4_mtp.model.split_sums import partial_dtype, wide_linear
 
@@ -162,18 +162,17 @@ class PortableExperts(nn.Module):
     def pack_all(self, shared: tuple[nn.Module, nn.Module] | None = None) -> None:
         """After loading: the all-expert pass's two linears (:meth:`forward_all`), every local expert side by
         side, then the shared expert ``shared = (gate_up_proj, down_proj)`` (its vLLM linears, of this rank's
-        width, marked by ``cpu.linear.keep_loaded_weight``: their weights ``[2 I, D]``, ``[D, I]`` are read
-        here) as one more: ``w13 [(E + 1) 2 I, D]``, ``w2 [D, (E + 1) I]``. Nothing is made (and nothing
-        read) for a MoE that would not take the pass for a single token (DeepSeek-V4's own, :meth:`packs_all`);
-        otherwise its experts' bytes (and the shared expert's) come once more, as vLLM's packed copy (on CPU the
-        concatenated copy is dropped after packing)."""
+        width, whose weights ``[2 I, D]``, ``[D, I]`` are read as loaded) as one more: ``w13 [(E + 1) 2 I, D]``,
+        ``w2 [D, (E + 1) I]``. Nothing is made (and nothing read) for a MoE that would not take the pass for a
+        single token (DeepSeek-V4's own, :meth:`packs_all`); otherwise its experts' bytes (and the shared
+        expert's) come once more, as vLLM's packed copy (on CPU the concatenated copy is dropped after packing)."""
         n = self.local_experts + (shared is not None)
         if not self.packs_all(with_shared=shared is not None):
             self._all, self._all_shared = None, False
             return
         w13, w2 = self.w13_weight.data, self.w2_weight.data
         if shared is not None:
-            s13, s2 = (loaded_weight(layer) for layer in shared)
+            s13, s2 = (layer.weight.data for layer in shared)
             want = ((2 * self.local_intermediate, self.hidden_size), (self.hidden_size, self.local_intermediate))
             if (tuple(s13.shape), tuple(s2.shape)) != want:
                 raise ValueError(

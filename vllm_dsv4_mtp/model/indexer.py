@@ -19,7 +19,7 @@ from torch import nn
 from vllm.model_executor.layers.linear import ReplicatedLinear
 
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
-from vllm_dsv4_mtp.cpu.linear import LINEARS
+from vllm_dsv4_mtp.cpu.linear import prepared_linear
 from vllm_dsv4_mtp.model.compressor import Compressor
 from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
@@ -91,16 +91,17 @@ class Indexer(nn.Module):
         self.head_dim = head_dim
         self.topk = topk
         self.ratio = OVERLAP_RATIO
-        self.wq_b = ReplicatedLinear(
-            q_lora_rank,
-            n_heads * head_dim,
-            bias=False,
-            quant_config=LINEARS,
-            prefix=f"{prefix}.wq_b",
-            return_bias=False,
+        self.wq_b = prepared_linear(
+            ReplicatedLinear(
+                q_lora_rank,
+                n_heads * head_dim,
+                bias=False,
+                prefix=f"{prefix}.wq_b",
+                return_bias=False,
+            )
         )
-        self.weights_proj = ReplicatedLinear(
-            hidden_size, n_heads, bias=False, quant_config=LINEARS, prefix=f"{prefix}.weights_proj", return_bias=False
+        self.weights_proj = prepared_linear(
+            ReplicatedLinear(hidden_size, n_heads, bias=False, prefix=f"{prefix}.weights_proj", return_bias=False)
         )
         self.compressor = Compressor(hidden_size, head_dim, self.ratio, norm_eps, prefix=f"{prefix}.compressor")
 

@@ -24,9 +24,9 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowPar
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.cpu.kit import round_to_mxfp4
-from vllm_dsv4_mtp.cpu.linear import LINEARS, Linear, keep_loaded_weight
+from vllm_dsv4_mtp.cpu.linear import Linear, prepared_linear
 from vllm_dsv4_mtp.model.experts import PortableExperts, swiglu_clamped
-from vllm_dsv4_mtp.model.split_sums import all_reduce, partial_dtype, split_sum_linear, wide_layer
+from vllm_dsv4_mtp.model.split_sums import all_reduce, partial_dtype, wide_layer
 
 _SCORE_FUNCS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
@@ -101,21 +101,21 @@ class SharedExpert(nn.Module):
         fp8_round: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size,
-            [intermediate_size] * 2,
-            bias=False,
-            quant_config=LINEARS,
-            prefix=f"{prefix}.gate_up_proj",
-            return_bias=False,
+        self.gate_up_proj = prepared_linear(
+            MergedColumnParallelLinear(
+                hidden_size,
+                [intermediate_size] * 2,
+                bias=False,
+                prefix=f"{prefix}.gate_up_proj",
+                return_bias=False,
+            )
         )
         # reduce_results=False: the MoE all-reduces routed + shared once
-        self.down_proj = split_sum_linear(
+        self.down_proj = prepared_linear(
             RowParallelLinear(
                 intermediate_size,
                 hidden_size,
                 bias=False,
-                quant_config=LINEARS,
                 reduce_results=False,
                 prefix=f"{prefix}.down_proj",
                 return_bias=False,
@@ -201,9 +201,6 @@ class DeepseekV4MoE(nn.Module):
             expert_parallel=expert_parallel,
             activation_quant=routed_w4a4,
         )
-        if self._packs_shared():
-            keep_loaded_weight(self.shared_experts.gate_up_proj)
-            keep_loaded_weight(self.shared_experts.down_proj)
 
     def _shared_joins(self) -> bool:
         """Whether the shared expert runs in the routed experts' pass: the same SwiGLU, rounding and width."""
@@ -213,12 +210,6 @@ class DeepseekV4MoE(nn.Module):
             ex.local_intermediate,
             ex.swiglu_limit,
         )
-
-    def _packs_shared(self) -> bool:
-        """Whether :meth:`pack` copies the shared expert's weights into the experts' all-expert pass (the
-        shared expert's linears then keep their loaded weights, ``cpu.linear.keep_loaded_weight``; where it
-        joins but the pass would not pay with it, no pass is made and nothing is read)."""
-        return self._shared_joins() and self.experts.packs_all(with_shared=True)
 
     def pack(self) -> None:
         """After loading: the experts' all-expert pass, with the shared expert in it where it joins."""

@@ -48,7 +48,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from vllm_dsv4_mtp import draft_policy
 from vllm_dsv4_mtp.config import DeepseekV4Spec
-from vllm_dsv4_mtp.cpu.linear import LINEARS, pack_weights
+from vllm_dsv4_mtp.cpu.linear import prepare_weights, prepared_linear
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.norm import rms_norm
@@ -93,12 +93,8 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
         self.hc_mult = spec.hc_mult
         self.enorm = RMSNorm(d, eps=eps)
         self.hnorm = RMSNorm(d, eps=eps)
-        self.e_proj = ReplicatedLinear(
-            d, d, bias=False, quant_config=LINEARS, prefix=f"{prefix}.e_proj", return_bias=False
-        )
-        self.h_proj = ReplicatedLinear(
-            d, d, bias=False, quant_config=LINEARS, prefix=f"{prefix}.h_proj", return_bias=False
-        )
+        self.e_proj = prepared_linear(ReplicatedLinear(d, d, bias=False, prefix=f"{prefix}.e_proj", return_bias=False))
+        self.h_proj = prepared_linear(ReplicatedLinear(d, d, bias=False, prefix=f"{prefix}.h_proj", return_bias=False))
         # vLLM's convention (and REF's): the MTP block is SWA (compress ratio 0) and never hash-routed
         self.mtp_block = DeepseekV4DecoderLayer(
             vllm_config,
@@ -308,6 +304,7 @@ class DeepSeekV4MTPModel(nn.Module):
         the checkpoint and the tensor (:class:`vllm_dsv4_mtp.weights.loader.CheckpointLoader`).
         """
         spec = self.spec
+        reload = any(p.is_meta for p in self.parameters())  # vLLM's in-place reload: every layer on meta first
         loaded = CheckpointLoader(
             self,
             spec,
@@ -322,5 +319,11 @@ class DeepSeekV4MTPModel(nn.Module):
                 layout=PORTABLE,
             ),
         ).load(weights)
-        pack_weights(self)
+        if reload:  # vLLM's in-place reload calls load_weights, not the hook below
+            prepare_weights(self)
         return loaded
+
+    def process_weights_after_loading(self) -> None:
+        """vLLM's model-level post-load hook, after every first load (the dummy one too): the one post-load
+        stage (``cpu/linear.py``)."""
+        prepare_weights(self)

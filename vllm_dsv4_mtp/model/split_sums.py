@@ -11,7 +11,7 @@ kernels and all-reduce: a BF16 part's own rounding is far coarser than the order
 Cost, float32 models only (TP1 included): these GEMMs run as plain float64 ``F.linear`` calls, and under TP each
 layer's two all-reduces go through gloo. Memory: the routed experts' float64 ``w2`` copies replace their packed
 float32 ones (their bytes once more); ``wo_b`` and the shared expert's ``down_proj`` keep their loaded weight and
-vLLM's packed float32 copy, unused, beside the float64 one (their bytes three times more).
+their prepared float32 GEMM, unused, beside the float64 one (their bytes three times more).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group, tensor_model_parallel_all_reduce
 
-from vllm_dsv4_mtp.cpu.linear import Linear, keep_loaded_weight, loaded_weight
+from vllm_dsv4_mtp.cpu.linear import Linear
 
 WIDE = torch.float64
 
@@ -33,29 +33,17 @@ def partial_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def wide_linear(weight: torch.Tensor) -> Linear | None:
     """``x -> x @ weight.T`` in float64 (the result stays float64) for a float32 ``weight: [N, K]``; None for
-    other dtypes, whose linears stay vLLM's. Copies ``weight``: vLLM's CPU dispatch may drop it after loading."""
+    other dtypes, whose linears stay vLLM's."""
     if weight.dtype != torch.float32:
         return None
-    if weight.numel() == 0:
-        raise ValueError(
-            "wide_linear: the weight is empty (vLLM's CPU dispatch drops a packed layer's weight): "
-            "copy it before vLLM processes the layer, or mark the layer (split_sum_linear)"
-        )
     wide = weight.detach().to(WIDE)
     return lambda x: F.linear(x.to(WIDE), wide)
 
 
-def split_sum_linear(layer: torch.nn.Module) -> torch.nn.Module:
-    """Mark a row-parallel vLLM linear of the model (``wo_b``, the shared expert's ``down_proj``), built in the
-    model's dtype: a float32 one keeps its loaded weight (``cpu.linear.keep_loaded_weight``), which
-    :func:`wide_layer` copies to float64 when the model packs, also after an in-place reload. Returns ``layer``."""
-    return keep_loaded_weight(layer) if layer.weight.dtype == torch.float32 else layer
-
-
 def wide_layer(layer: torch.nn.Module) -> Linear | None:
-    """:func:`wide_linear` of a linear marked by :func:`split_sum_linear`: float32 layers only (the others keep
-    vLLM's kernels, and vLLM may have packed their weight away)."""
-    return wide_linear(loaded_weight(layer)) if layer.weight.dtype == torch.float32 else None
+    """:func:`wide_linear` of a row-parallel vLLM linear of the model (``wo_b``, the shared expert's
+    ``down_proj``), from its weight as loaded: float32 layers only."""
+    return wide_linear(layer.weight.data)
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:

@@ -300,3 +300,49 @@ def test_every_vllm_linear_of_the_model_takes_the_cpus_gemm_route(ckpts, native,
         else:
             assert torch.equal(m.float32_weight, w.float()), name
             assert torch.equal(m.gemm(xk), F.linear(xk.float(), w.float()).to(torch.bfloat16)), name
+
+
+@pytest.mark.usefixtures("vllm_dist")
+def test_weights_written_in_place_after_preparing_are_prepared_again_before_a_forward(ckpts, monkeypatch):
+    """vLLM's ``reload_weights(is_checkpoint_format=False)`` copies new tensors straight into the parameters and
+    calls nothing of the model (in vLLM 0.32 it stops at the first RMSNorm weight, which requires grad; a vLLM
+    that copied under ``no_grad`` would get through). ``ensure_prepared``, at the top of the model's forward,
+    sees the writes (torch counts each in-place write), prepares again with one warning, and the GEMMs and packs
+    then compute with the new values; with no write it does nothing."""
+    import logging
+
+    import torch.nn.functional as F
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from vllm_dsv4_mtp.cpu.kit import KIT
+    from vllm_dsv4_mtp.cpu.linear import ensure_prepared
+
+    monkeypatch.setattr(KIT, "native_gemm", lambda d: False)  # the float32 route: a copy that would go stale
+    model = _build(ckpts["bf16"], dtype="bfloat16")
+    model.load_weights(_tensors(ckpts["bf16"]).items())
+    process_weights_after_loading(model, model.vllm_config.model_config, torch.device("cpu"))
+    layer = model.model.layers[0].attn.wq_b
+    experts = model.model.layers[0].ffn.experts
+    x = torch.randn(3, layer.weight.shape[1]).to(torch.bfloat16)
+    old_gemm, old_slices = layer.gemm, experts._linears
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("vllm.dsv4_mtp.cpu_kit").addHandler(handler)
+    try:
+        ensure_prepared(model)
+        assert records == [] and layer.gemm is old_gemm and experts._linears is old_slices
+        new = torch.randn(layer.weight.shape).to(torch.bfloat16)
+        with torch.no_grad():
+            layer.weight.copy_(new)
+            experts.w13_weight.copy_(experts.w13_weight * 2)
+        assert torch.equal(old_gemm(x), F.linear(x.float(), layer.float32_weight).to(torch.bfloat16))
+        ensure_prepared(model)
+        ensure_prepared(model)
+    finally:
+        logging.getLogger("vllm.dsv4_mtp.cpu_kit").removeHandler(handler)
+    assert len(records) == 1 and "written in place since they were prepared" in records[0], records
+    assert torch.equal(layer.gemm(x), F.linear(x.float(), new.float()).to(torch.bfloat16))
+    assert experts._linears is not old_slices
+    xe = torch.randn(2, experts.w13_weight.shape[2]).to(torch.bfloat16)
+    assert torch.equal(experts._linears[0][0](xe), F.linear(xe.float(), experts.w13_weight[0].float()).to(xe.dtype))

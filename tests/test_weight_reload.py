@@ -73,8 +73,8 @@ def test_in_place_reload_of_a_bf16_model_serves_exactly_the_new_weights(a_and_b,
     """An engine started on checkpoint A and reloaded in place with checkpoint B generates what a fresh engine
     on B generates, token for token, the joined shared expert keeping B's loaded weight beside what its GEMM
     reads: on the float32 route (forced on any CPU), its float32 copy of B; off it (forced: vLLM's own CPU GEMM
-    dispatch, which on AVX512-BF16 / AMX CPUs packs bf16 weights away for oneDNN / sgl-kernel), vLLM's GEMM
-    and no copy."""
+    dispatch, which on AVX512-BF16 / AMX CPUs packs a copy of bf16 weights for oneDNN / sgl-kernel), vLLM's GEMM
+    and no float32 copy."""
     import torch
 
     from vllm_dsv4_mtp.cpu.kit import KIT

@@ -26,12 +26,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.platforms import current_platform
 
 from vllm_dsv4_mtp.cpu.kit import HALF_DTYPES, KIT
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+logger = init_logger("vllm.dsv4_mtp.cpu_kit")
 
 
 def float32_route(weight: torch.Tensor) -> bool:
@@ -120,17 +122,43 @@ def prepare_weights(model: nn.Module) -> None:
     * every module with a ``pack()`` packs (the routed experts' slices and all-expert pass, ``wo_a``'s groups,
       a float32 model's float64 copies of the sums TP splits: ``model/split_sums.py``).
 
-    Loaded weights are never changed or dropped (the prepared copies add their bytes once more), so the stage
-    may read any of them, in any order, and can run again. The model runs it once per load: from vLLM's
-    model-level post-load hook (``process_weights_after_loading``) after a first load (the dummy one too), and at
-    the end of its ``load_weights`` on vLLM's in-place ``reload_weights``, which calls no hook and processes each
-    layer as its tensors arrive (the layers' tensors must keep the shapes they had: it copies the new values
-    into them)."""
+    Loaded weights are never changed or dropped (the prepared copies add their bytes once more: a 16-bit weight's
+    float32 copy twice its bytes), so the stage may read any of them, in any order, and can run again. The model
+    runs it once per load: from vLLM's model-level post-load hook (``process_weights_after_loading``) after a
+    first load (the dummy one too), and at the end of its ``load_weights`` on vLLM's in-place ``reload_weights``,
+    which calls no hook and processes each layer as its tensors arrive (the layers' tensors must keep the shapes
+    they had: it copies the new values into them). A kernel-format reload calls neither: :func:`ensure_prepared`."""
     prepare_linears(model)
     for m in model.modules():
         pack = getattr(m, "pack", None)
         if callable(pack) and m is not model:
             pack()
+    model.prepared_from = [(p, p._version) for p in _read_by_stage(model)]
+
+
+def _read_by_stage(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters :func:`prepare_weights` reads: each prepared linear's weight, each packing module's own."""
+    read = []
+    for m in model.modules():
+        if isinstance(getattr(m, "quant_method", None), PreparedGemmMethod):
+            read.append(m.weight)
+        if callable(getattr(m, "pack", None)) and m is not model:
+            read.extend(m.parameters(recurse=False))
+    return read
+
+
+def ensure_prepared(model: nn.Module) -> None:
+    """Before a forward: :func:`prepare_weights` again, with one warning, where a weight it read was written in
+    place since (torch counts each in-place write). vLLM's ``reload_weights(is_checkpoint_format=False)`` copies the
+    new tensors straight into the parameters and calls nothing of the model; without this the prepared GEMMs and
+    packs would go on computing with the old weights."""
+    if any(p._version != v for p, v in getattr(model, "prepared_from", ())):
+        logger.warning(
+            "vllm-dsv4-mtp: %s: weights written in place since they were prepared (a kernel-format "
+            "reload_weights); preparing them again",
+            type(model).__name__,
+        )
+        prepare_weights(model)
 
 
 def prepare_linears(model: nn.Module) -> None:
@@ -141,5 +169,7 @@ def prepare_linears(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(getattr(m, "quant_method", None), PreparedGemmMethod):
             w = m.weight.data
+            if w.is_meta:
+                raise RuntimeError(f"{m.prefix}: its weight was never loaded (still on the meta device)")
             m.float32_weight = w.float() if float32_route(w) else None
             m.gemm = cpu_linear(w) if m.float32_weight is None else float32_linear(m.float32_weight, w.dtype)

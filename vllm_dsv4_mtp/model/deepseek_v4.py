@@ -28,7 +28,7 @@ from vllm.platforms import current_platform
 
 from vllm_dsv4_mtp.config import spec_from_hf_config
 from vllm_dsv4_mtp.cpu.kit import KIT
-from vllm_dsv4_mtp.cpu.linear import prepare_weights
+from vllm_dsv4_mtp.cpu.linear import ensure_prepared, prepare_weights
 from vllm_dsv4_mtp.formats.checkpoint import validate_shard_headers
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
@@ -123,6 +123,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
+        ensure_prepared(self)
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -162,7 +163,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Load the main-model tensors of a native checkpoint (``mtp.*`` is the draft's); strict, see
         :class:`vllm_dsv4_mtp.weights.loader.CheckpointLoader`."""
         spec = self.model.spec
-        # vLLM's in-place reload puts every layer on the meta device first (a dummy-loaded model's first load too)
+        # vLLM's in-place reload puts every layer on the meta device first (so is the first real load after a dummy one)
         reload = any(p.is_meta for p in self.parameters())
         loaded = CheckpointLoader(
             self,

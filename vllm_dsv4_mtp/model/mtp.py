@@ -48,7 +48,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from vllm_dsv4_mtp import draft_policy
 from vllm_dsv4_mtp.config import DeepseekV4Spec
-from vllm_dsv4_mtp.cpu.linear import prepare_weights, prepared_linear
+from vllm_dsv4_mtp.cpu.linear import ensure_prepared, prepare_weights, prepared_linear
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.norm import rms_norm
@@ -259,6 +259,7 @@ class DeepSeekV4MTPModel(nn.Module):
         spec_step_idx: int = 0,
     ) -> torch.Tensor:
         """``input_ids, positions: [T]``, ``hidden_states: [T, hc*D]`` -> the new pre-``hc_head`` ``[T, hc*D]``."""
+        ensure_prepared(self)
         return self.model(input_ids, positions, hidden_states, inputs_embeds, spec_step_idx)
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor | None:

@@ -33,7 +33,7 @@ def partial_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def wide_linear(weight: torch.Tensor) -> Linear | None:
     """``x -> x @ weight.T`` in float64 (the result stays float64) for a float32 ``weight: [N, K]``; None for
-    other dtypes, whose linears stay vLLM's."""
+    other dtypes, whose linears keep their prepared GEMM (``cpu/linear.py``)."""
     if weight.dtype != torch.float32:
         return None
     wide = weight.detach().to(WIDE)

@@ -35,7 +35,9 @@ LONG = [2 + (i * 37) % 500 for i in range(600)]  # 600 token ids: more than one 
 GREEDY_PROMPTS = ([5, 17, 99, 3, 250], LONG[:300])
 #: this server's --shutdown-timeout: shorter than the profile's, so that streams are still running when it ends
 DRAIN_S = 3
-STREAMS = 12  # more than the profile's 8 sequences: some wait in the queue when SIGTERM comes
+#: five times the profile's 8 sequences, so that some still wait when the drain ends: each stream of 1,000 tokens
+#: takes >= 334 steps at K = 2, and 12 streams (two rounds) once all finished within 3 s of sleep and the 3 s drain
+STREAMS = 40
 WAVES = 6
 RSS_BOUND_MIB = 64  # worker RSS growth allowed over the soak's waves after the warm-up wave
 
@@ -183,7 +185,7 @@ def test_soak_memory_flat_and_cancellations_stop_generating(server):
 
 
 def test_sigterm_drains_then_ends_every_stream_and_exits(server):
-    """Issue 38 item 3 (runs last: it stops the module's server). 12 long streams open (8 running, 4 queued),
+    """Issue 38 item 3 (runs last: it stops the module's server). 40 long streams open (8 running, 32 queued),
     SIGTERM: vLLM drains for --shutdown-timeout, then the profile's middleware ends every stream still open with
     an error event and ``[DONE]`` (before: no last chunk, and the server waited for the clients to hang up), and
     the process exits within the timeout plus a few seconds."""

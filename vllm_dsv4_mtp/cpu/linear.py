@@ -129,22 +129,17 @@ def prepare_weights(model: nn.Module) -> None:
     which calls no hook and processes each layer as its tensors arrive (the layers' tensors must keep the shapes
     they had: it copies the new values into them). A kernel-format reload calls neither: :func:`ensure_prepared`."""
     prepare_linears(model)
-    for m in model.modules():
-        pack = getattr(m, "pack", None)
-        if callable(pack) and m is not model:
-            pack()
-    model.prepared_from = [(p, p._version) for p in _read_by_stage(model)]
+    packers = [m for m in model.modules() if m is not model and callable(getattr(m, "pack", None))]
+    for m in packers:
+        m.pack()
+    # what the stage read, with torch's count of in-place writes to each (ensure_prepared)
+    read = [m.weight for m in _prepared_linears(model)] + [p for m in packers for p in m.parameters(recurse=False)]
+    model.prepared_from = [(p, p._version) for p in read]
 
 
-def _read_by_stage(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters :func:`prepare_weights` reads: each prepared linear's weight, each packing module's own."""
-    read = []
-    for m in model.modules():
-        if isinstance(getattr(m, "quant_method", None), PreparedGemmMethod):
-            read.append(m.weight)
-        if callable(getattr(m, "pack", None)) and m is not model:
-            read.extend(m.parameters(recurse=False))
-    return read
+def _prepared_linears(model: nn.Module) -> list[LinearBase]:
+    """The linears of :func:`prepared_linear` in ``model``."""
+    return [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), PreparedGemmMethod)]
 
 
 def ensure_prepared(model: nn.Module) -> None:
@@ -166,10 +161,9 @@ def prepare_linears(model: nn.Module) -> None:
     (:func:`cpu_linear`: vLLM's CPU dispatch, or the float32 route, whose copy is ``layer.float32_weight``)."""
     if not current_platform.is_cpu():
         return
-    for m in model.modules():
-        if isinstance(getattr(m, "quant_method", None), PreparedGemmMethod):
-            w = m.weight.data
-            if w.is_meta:
-                raise RuntimeError(f"{m.prefix}: its weight was never loaded (still on the meta device)")
-            m.float32_weight = w.float() if float32_route(w) else None
-            m.gemm = cpu_linear(w) if m.float32_weight is None else float32_linear(m.float32_weight, w.dtype)
+    for m in _prepared_linears(model):
+        w = m.weight.data
+        if w.is_meta:
+            raise RuntimeError(f"{m.prefix}: its weight was never loaded (still on the meta device)")
+        m.float32_weight = w.float() if float32_route(w) else None
+        m.gemm = cpu_linear(w) if m.float32_weight is None else float32_linear(m.float32_weight, w.dtype)

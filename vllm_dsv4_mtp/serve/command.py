@@ -225,6 +225,12 @@ class ServeCommand:
         spec = self.flag("speculative-config")
         return isinstance(spec, dict) and spec.get("method") in ("mtp", "deepseek_mtp")
 
+    @property
+    def in_tree(self) -> bool:
+        """Does vLLM's in-tree target serve (the profile's hardware is gfx950), not the plugin's portable one?"""
+        hw = HARDWARE.get(self.profile.hardware) if self.profile.hardware else None
+        return hw is not None and hw.implementation == platform.IN_TREE
+
     def what_runs(self) -> str:
         """Which model classes serve this command on the profile's hardware (the printed header says it)."""
         hw = HARDWARE.get(self.profile.hardware) if self.profile.hardware else None
@@ -288,4 +294,14 @@ def build_command(
     for k, v in (env_overrides or {}).items():
         env[k] = v
         report = [r for r in report if r[0] != k] + [(k, v, "--env")]
-    return ServeCommand(profile=profile, model=model, flags=flags, env=env, env_report=report)
+    cmd = ServeCommand(profile=profile, model=model, flags=flags, env=env, env_report=report)
+    asked = [f"--{key}" for key in MLA_DROPPED_FLAGS if cmd.flag(key) is True]
+    if asked and not cmd.in_tree and "VLLM_MLA_DISABLE" not in env:
+        env["VLLM_MLA_DISABLE"] = "1"
+        report.append(("VLLM_MLA_DISABLE", "1", f"for {' and '.join(asked)}: vLLM's CPU platform drops it under MLA"))
+    return cmd
+
+
+#: the flags vLLM's CPU platform turns off for an MLA model (``model_type: deepseek_v4``) on CPUs without AMX
+#: (``CpuPlatform.check_and_update_config``, one INFO line naming neither flag); ``VLLM_MLA_DISABLE=1`` keeps them
+MLA_DROPPED_FLAGS = ("enable-prefix-caching", "enable-chunked-prefill")

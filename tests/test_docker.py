@@ -113,13 +113,18 @@ def test_hadolint_does_flag_problems(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- environment
-@pytest.mark.parametrize("profile", ["mi355x-pro-tp8", "mi355x-flash-tp4"])
-def test_rocm_image_env_is_the_profile_env(profile):
+def test_rocm_image_env_is_what_every_mi355x_profile_sets():
+    """The image sets exactly the ROCm switches every MI355X profile sets, with their values; a switch only some
+    profiles set (the fused shared expert: TP8 only) stays in those profiles' commands, so that a plain
+    ``vllm serve --data-parallel-size 2`` in the image does not meet vLLM's fused-shared-expert refusal."""
     env = env_of(ROCM)
-    for k, v in PROFILES[profile].env.items():
-        assert env.get(k) == v, (k, env.get(k), v)
-    rocm_keys = {k for k in env if k.startswith("VLLM_ROCM")}
-    assert rocm_keys == set(PROFILES[profile].env), "the image sets ROCm switches the profile does not"
+    profiles = [p for p in PROFILES.values() if p.hardware == "mi355x"]
+    common = set.intersection(*(set(p.env) for p in profiles))
+    assert {k for k in env if k.startswith("VLLM_ROCM")} == common
+    for p in profiles:
+        for k in common:
+            assert env[k] == p.env[k], (p.name, k)
+    assert "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS" not in env
 
 
 def test_cpu_image_env_is_the_profile_env():
@@ -471,3 +476,14 @@ def test_rocm_wheel_carries_what_dsv4_mtp_eval_needs(rocm_wheel):
         "embedded/assets/gsm_tiny_fewshot.jsonl",
     ):
         assert f"vllm_dsv4_mtp/{asset}" in names, asset
+
+
+def test_docker_readme_quotes_the_supported_range_the_build_checks():
+    """docker/README.md states the range ``python -m vllm_dsv4_mtp.versions`` enforces in the build (issue 49: the
+    two had drifted apart, ``<0.34`` against ``<0.35``)."""
+    import re
+
+    from vllm_dsv4_mtp.versions import SUPPORTED_VLLM
+
+    quoted = re.findall(r'SUPPORTED_VLLM = "([^"]+)"', (DOCKER / "README.md").read_text())
+    assert quoted == [SUPPORTED_VLLM]

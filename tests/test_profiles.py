@@ -192,3 +192,27 @@ def test_printed_pro_tp8_command_passes_vllms_parser(vllm_parser, monkeypatch, c
     assert int(ea.compilation_config.mode) == 3
     assert str(ea.compilation_config.cudagraph_mode).endswith("FULL_AND_PIECEWISE")
     assert ns.host == "0.0.0.0" and ns.port == 8000
+
+
+def test_data_parallel_drops_the_profiles_fused_shared_experts_and_refuses_the_callers(capsys):
+    """Issue 49: vLLM refuses fused shared experts under data parallelism (vllm#57919). ``--data-parallel-size 2``
+    on the TP8 profile drops the profile's switch with one printed note; set by the caller (``--env``, or an
+    environment the profile does not match) it is refused, naming the variable; at DP 1 the profile keeps it; the
+    Flash TP4 profile never sets it."""
+    from vllm_dsv4_mtp.serve import cli
+    from vllm_dsv4_mtp.serve.command import ServeArgsError
+    from vllm_dsv4_mtp.serve.profiles import FUSED_SHARED_EXPERTS
+
+    pro = get_profile("mi355x-pro-tp8")
+    assert build_command(pro, None, [], environ={}).env[FUSED_SHARED_EXPERTS] == "1"
+    dp = build_command(pro, None, ["--data-parallel-size", "2", "--enable-expert-parallel"], environ={})
+    assert FUSED_SHARED_EXPERTS not in dp.env and FUSED_SHARED_EXPERTS not in dp.shell()
+    assert len(dp.notes) == 1 and FUSED_SHARED_EXPERTS in dp.notes[0] and "57919" in dp.notes[0]
+    flash = get_profile("mi355x-flash-tp4")
+    assert FUSED_SHARED_EXPERTS not in flash.env
+    for profile, environ, env in ((flash, {FUSED_SHARED_EXPERTS: "1"}, None), (pro, {}, {FUSED_SHARED_EXPERTS: "1"})):
+        with pytest.raises(ServeArgsError, match=FUSED_SHARED_EXPERTS):
+            build_command(profile, None, ["--data-parallel-size", "2"], env_overrides=env, environ=environ)
+    assert cli.run(["--profile", "mi355x-pro-tp8", "--data-parallel-size", "2", "--dry-run"]) in (0, 2)
+    out = capsys.readouterr().out
+    assert f"# note: {FUSED_SHARED_EXPERTS}=1 dropped" in out and f"{FUSED_SHARED_EXPERTS}=1 \\" not in out

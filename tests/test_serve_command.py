@@ -115,7 +115,7 @@ def test_new_flags_are_appended():
 
 
 def test_environment_precedence_profile_then_caller_then_env_option():
-    prof = get_profile("mi355x-flash-tp4")
+    prof = get_profile("mi355x-pro-tp8")  # the profile that sets the fused shared expert
     cmd = build_command(
         prof,
         None,

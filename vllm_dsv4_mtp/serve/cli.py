@@ -226,6 +226,8 @@ def run(argv: list[str]) -> int:
     print("# environment: profile defaults; the caller's environment and --env win (origin in brackets)")
     for k, v, origin in cmd.env_report:
         print(f"#   {k}={v}  [{origin}]")
+    for note in cmd.notes:
+        print(f"# note: {note}")
     print(cmd.shell(), flush=True)
 
     problem = _missing_model_dir(cmd, o) or (_capacity_refusal(cmd, o) if profile.hardware is not None else None)

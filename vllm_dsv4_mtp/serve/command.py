@@ -195,6 +195,7 @@ class ServeCommand:
     flags: list[Flag]
     env: dict[str, str]  # the full environment the server gets
     env_report: list[tuple[str, str, str]] = field(default_factory=list)  # (key, value, origin)
+    notes: list[str] = field(default_factory=list)  # what the plugin changed in the profile, and why
     module: str = SERVER_MODULES[0]
     python: str = sys.executable
 
@@ -295,6 +296,7 @@ def build_command(
         env[k] = v
         report = [r for r in report if r[0] != k] + [(k, v, "--env")]
     cmd = ServeCommand(profile=profile, model=model, flags=flags, env=env, env_report=report)
+    _fused_shared_experts_under_dp(cmd)
     asked = [f"--{key}" for key in MLA_DROPPED_FLAGS if cmd.flag(key) is True]
     if asked and not cmd.in_tree and "VLLM_MLA_DISABLE" not in env:
         env["VLLM_MLA_DISABLE"] = "1"
@@ -305,3 +307,28 @@ def build_command(
 #: the flags vLLM's CPU platform turns off for an MLA model (``model_type: deepseek_v4``) on CPUs without AMX
 #: (``CpuPlatform.check_and_update_config``, one INFO line naming neither flag); ``VLLM_MLA_DISABLE=1`` keeps them
 MLA_DROPPED_FLAGS = ("enable-prefix-caching", "enable-chunked-prefill")
+
+
+def _fused_shared_experts_under_dp(cmd: ServeCommand) -> None:
+    """vLLM refuses the fused shared expert at model construction under data parallelism without EP (vllm#57919,
+    "DeepSeek-V4 fused shared experts ... are not supported with data parallelism") and turns it off silently with
+    EP. With ``--data-parallel-size > 1`` the profile's switch is dropped with a note; one the caller set is
+    refused here, naming the variable, before vLLM's error."""
+    from vllm_dsv4_mtp.serve.profiles import FUSED_SHARED_EXPERTS
+
+    dp = int(cmd.flag("data-parallel-size", 1) or 1)
+    if dp <= 1 or cmd.env.get(FUSED_SHARED_EXPERTS, "0").strip().lower() not in ("1", "true"):
+        return
+    origin = next((o for k, _, o in cmd.env_report if k == FUSED_SHARED_EXPERTS), "environment")
+    if origin != "profile":
+        raise ServeArgsError(
+            f"{FUSED_SHARED_EXPERTS}=1 (from the {origin}) with --data-parallel-size {dp}: vLLM refuses DeepSeek-V4's "
+            "fused shared experts under data parallelism (vllm#57919) and ignores them with "
+            f"--enable-expert-parallel; unset {FUSED_SHARED_EXPERTS} or serve with --data-parallel-size 1"
+        )
+    del cmd.env[FUSED_SHARED_EXPERTS]
+    cmd.env_report[:] = [r for r in cmd.env_report if r[0] != FUSED_SHARED_EXPERTS]
+    cmd.notes.append(
+        f"{FUSED_SHARED_EXPERTS}=1 dropped from profile {cmd.profile.name}: --data-parallel-size {dp}, and vLLM "
+        "applies fused shared experts only without data parallelism (it refuses them with DP, vllm#57919)"
+    )

@@ -274,10 +274,13 @@ _ROCM_ENV = MappingProxyType(
     {
         "VLLM_ROCM_USE_AITER": "1",  # master switch: AITER MoE (W4A4 CK kernels), MLA/sparse attention, norms
         "VLLM_ROCM_USE_AITER_MOE": "1",  # AITER fused MoE for the MXFP4 routed experts
-        # the target's shared expert fused into the routed grouped GEMM (vLLM refuses it with DP and no EP)
-        "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1",
     }
 )
+#: the target's shared expert fused into the routed grouped GEMM: only where vLLM applies it (gfx950, TP8, DP 1, no
+#: EP, --moe-backend aiter; vllm-project/recipes#932). vLLM refuses it at model construction under data parallelism
+#: without EP (vllm#57919) and turns it off silently with EP, so it is the TP8 profile's, not the image's.
+FUSED_SHARED_EXPERTS = "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS"
+_ROCM_TP8_ENV = MappingProxyType({**_ROCM_ENV, FUSED_SHARED_EXPERTS: "1"})
 
 
 #: Seconds vLLM drains in-flight requests after SIGTERM / SIGINT (``--shutdown-timeout``; vLLM's default 0 aborts
@@ -324,7 +327,7 @@ PROFILES: Mapping[str, Profile] = MappingProxyType(
                 model="amd/DeepSeek-V4-Pro-MXFP4",
                 hardware="mi355x",
                 args=_gpu_args(tp=8, k=2),
-                env=_ROCM_ENV,
+                env=_ROCM_TP8_ENV,
             ),
             Profile(
                 name="mi355x-flash-tp4",

@@ -244,6 +244,22 @@ class DeepseekV4Attention(nn.Module):
             parts.append(self.indexer.compressor.project(x))
         return q, qr, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
+    def write_latent(self, md: PortableAttentionMetadata, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """Only the cache write of :meth:`forward_paged`, for a sliding-window layer (the MTP block) at a step whose
+        output is never read: ``kv = rope(kv_norm(x @ wkv))`` into the step's rows; no query, no attention."""
+        if self.compress_ratio != 0:
+            raise ValueError("write_latent: a sliding-window layer's cache (compress_ratio 0) only")
+        md.check_positions(positions)
+        x = x[: md.num_tokens]
+        kv = rms_norm(self.fused_wqa_wkv(x)[:, -self.head_dim :], self.kv_norm)
+        rot = self.rope.step_rotation(md.derived.rotations, "tokens", md.positions)
+        kv = self.rope.apply_(kv.unsqueeze(1), rot).squeeze(1)
+        kernel = self.window_kernel()
+        if kernel is not None:
+            kernel.write(md, kv)
+        else:
+            self.cache.write(md, kv)
+
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output projection: ``o: [T, H_local, d]`` -> ``[T, D]`` (all-reduced over TP)."""
         t = o.shape[0]

@@ -143,6 +143,10 @@ class PortableAttentionMetadata:
     derived: StepDerived = field(default_factory=StepDerived, repr=False)  # made by layers, shared by them
     positions_checked: bool = False
 
+    @property
+    def num_reqs(self) -> int:
+        return len(self._qsl) - 1
+
     # ------------------------------------------------------------------------------------------ build
     @classmethod
     def create(

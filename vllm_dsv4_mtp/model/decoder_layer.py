@@ -60,6 +60,11 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.hc_attn = HyperConnection(d, hc, spec.hc_sinkhorn_iters, spec.hc_eps, eps)
         self.hc_ffn = HyperConnection(d, hc, spec.hc_sinkhorn_iters, spec.hc_eps, eps)
 
+    def write_attention_cache(self, md, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """What later steps read of this block: its attention's cache rows for streams ``x: [T, hc, D]``."""
+        u, _, _ = self.hc_attn.pre(x)
+        self.attn.write_latent(md, positions, rms_norm(u, self.attn_norm))
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """``x: [T, hc, D]`` streams, ``positions: [T]``, ``input_ids: [T]`` -> ``[T, hc, D]``."""
         u, post, comb = self.hc_attn.pre(x)

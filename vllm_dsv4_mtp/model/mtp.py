@@ -49,6 +49,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm_dsv4_mtp import draft_policy
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.cpu.linear import ensure_prepared, prepare_weights, prepared_linear
+from vllm_dsv4_mtp.draft_schedule import StepK
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
 from vllm_dsv4_mtp.model.norm import rms_norm
@@ -125,17 +126,25 @@ class DeepSeekV4MultiTokenPredictorLayer(nn.Module):
 
         Returns the flat pre-``hc_head`` streams ``[T, hc*D]``.
         """
+        x = self.streams(positions, previous_hidden_states, inputs_embeds)
+        x = self.mtp_block(positions, x, input_ids[: x.shape[0]])
+        return x.flatten(1)
+
+    def streams(self, positions: torch.Tensor, previous: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """The block's input streams ``X = h_proj(hnorm(H)) + e_proj(enorm(E))``: ``[T, hc, D]``."""
         t = positions.shape[0]
         hc, d = self.hc_mult, self.hidden_size
         # position 0 has no previous token: vLLM (V3 MTP onwards) zeroes its embedding; a zero row stays 0
         e = inputs_embeds[:t].masked_fill((positions == 0).unsqueeze(-1), 0.0)
         e = _rounded(rms_norm(e, self.enorm), self.e_round)
         e = self.e_proj(e)  # [T, D]
-        h = _rounded(rms_norm(previous_hidden_states[:t].reshape(t * hc, d), self.hnorm), self.h_round)
+        h = _rounded(rms_norm(previous[:t].reshape(t * hc, d), self.hnorm), self.h_round)
         h = self.h_proj(h).view(t, hc, d)  # hnorm per stream
-        x = h + e.unsqueeze(1)
-        x = self.mtp_block(positions, x, input_ids[:t])
-        return x.flatten(1)
+        return h + e.unsqueeze(1)
+
+    def write_cache(self, md, positions: torch.Tensor, previous: torch.Tensor, inputs_embeds: torch.Tensor) -> None:
+        """A K = 0 step (``draft_schedule.py``): the block's attention-cache rows, nothing read after them."""
+        self.mtp_block.write_attention_cache(md, positions, self.streams(positions, previous, inputs_embeds))
 
     def final_hidden(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hc*D]`` pre-``hc_head`` state -> ``[N, D]`` after this layer's ``hc_head`` and norm."""
@@ -196,6 +205,10 @@ class DeepSeekV4MultiTokenPredictor(nn.Module):
             inputs_embeds = self.embed_input_ids(input_ids)
         return self.layer(spec_step_idx)(input_ids, positions, previous_hidden_states, inputs_embeds)
 
+    def step_metadata(self, spec_step_idx: int = 0):
+        """The step's attention metadata of the draft's layer (None in vLLM's dummy and profile runs)."""
+        return self.layer(spec_step_idx).mtp_block.attn.cache.metadata()
+
 
 class DeepSeekV4MTPModel(nn.Module):
     """vLLM model class registered by the plugin for architecture ``DeepSeekV4MTPModel``."""
@@ -225,6 +238,7 @@ class DeepSeekV4MTPModel(nn.Module):
         )
         self.lm_head: nn.Module | None = None  # the target's, attached by vLLM's proposer
         self.logits_processor = LogitsProcessor(spec.vocab_size)
+        self.step_k = StepK(vllm_config)
         logger.info(
             "vllm-dsv4-mtp: DeepSeek-V4 MTP draft served by the plugin's portable %s.%s (%s, layer %d, SWA window "
             "%d; quantized MTP weights: %s)",
@@ -258,12 +272,21 @@ class DeepSeekV4MTPModel(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         spec_step_idx: int = 0,
     ) -> torch.Tensor:
-        """``input_ids, positions: [T]``, ``hidden_states: [T, hc*D]`` -> the new pre-``hc_head`` ``[T, hc*D]``."""
+        """``input_ids, positions: [T]``, ``hidden_states: [T, hc*D]`` -> the new pre-``hc_head`` ``[T, hc*D]``.
+        At a K = 0 step of vLLM's batch-size schedule only the attention cache is written, and the returned
+        state (which vLLM does not read then) is ``hidden_states`` itself (``vllm_dsv4_mtp/draft_schedule.py``)."""
         ensure_prepared(self)
+        md = self.model.step_metadata(spec_step_idx)
+        if self.step_k.cache_only(None if md is None else md.num_reqs):
+            if inputs_embeds is None:
+                inputs_embeds = self.model.embed_input_ids(input_ids)
+            self.model.layer(spec_step_idx).write_cache(md, positions, hidden_states, inputs_embeds)
+            return hidden_states
         return self.model(input_ids, positions, hidden_states, inputs_embeds, spec_step_idx)
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor | None:
         """``[N, hc*D]`` -> ``[N, vocab]``: this layer's ``hc_head`` and norm, then the target's LM head."""
+        self.step_k.logits_asked()
         layer = self.model.layer(spec_step_idx)
         head = layer.shared_head.head
         if head is None:

@@ -129,7 +129,7 @@ VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1 \\
   --max-num-batched-tokens 8192 \\
   --kv-cache-dtype fp8 \\
   --block-size 256 \\
-  --speculative-config '{{"method":"mtp","num_speculative_tokens":2}}' \\
+  --speculative-config '{{"method":"mtp","num_speculative_tokens":2,"num_speculative_tokens_per_batch_size":[[1,16,2],[17,1024,0]]}}' \\
   --moe-backend aiter \\
   --compilation-config '{{"mode":3,"cudagraph_mode":"FULL_AND_PIECEWISE"}}' \\
   --tokenizer-mode deepseek_v4 \\
@@ -139,7 +139,7 @@ VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1 \\
   --shutdown-timeout 60 \\
   --middleware vllm_dsv4_mtp.serve.shutdown.EndStreamsOnShutdown \\
   --host 0.0.0.0 \\
-  --port 8000"""
+  --port 8000"""  # noqa: E501 (the command as printed)
 
 
 def _printed_command(out: str) -> str:
@@ -187,7 +187,11 @@ def test_printed_pro_tp8_command_passes_vllms_parser(vllm_parser, monkeypatch, c
     assert ea.tensor_parallel_size == 8
     assert ea.gpu_memory_utilization == 0.85 and ea.max_num_seqs == 256 and ea.max_num_batched_tokens == 8192
     assert ea.kv_cache_dtype == "fp8" and ea.block_size == 256 and ea.moe_backend == "aiter"
-    assert ea.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    assert ea.speculative_config == {
+        "method": "mtp",
+        "num_speculative_tokens": 2,
+        "num_speculative_tokens_per_batch_size": [[1, 16, 2], [17, 1024, 0]],
+    }
     assert ea.tokenizer_mode == "deepseek_v4" and ns.reasoning_parser == "deepseek_v4" and ea.trust_remote_code
     assert int(ea.compilation_config.mode) == 3
     assert str(ea.compilation_config.cudagraph_mode).endswith("FULL_AND_PIECEWISE")
@@ -207,7 +211,8 @@ def test_data_parallel_drops_the_profiles_fused_shared_experts_and_refuses_the_c
     assert build_command(pro, None, [], environ={}).env[FUSED_SHARED_EXPERTS] == "1"
     dp = build_command(pro, None, ["--data-parallel-size", "2", "--enable-expert-parallel"], environ={})
     assert FUSED_SHARED_EXPERTS not in dp.env and FUSED_SHARED_EXPERTS not in dp.shell()
-    assert len(dp.notes) == 1 and FUSED_SHARED_EXPERTS in dp.notes[0] and "57919" in dp.notes[0]
+    (fse,) = [n for n in dp.notes if FUSED_SHARED_EXPERTS in n]
+    assert "57919" in fse
     flash = get_profile("mi355x-flash-tp4")
     assert FUSED_SHARED_EXPERTS not in flash.env
     for profile, environ, env in ((flash, {FUSED_SHARED_EXPERTS: "1"}, None), (pro, {}, {FUSED_SHARED_EXPERTS: "1"})):
@@ -216,3 +221,27 @@ def test_data_parallel_drops_the_profiles_fused_shared_experts_and_refuses_the_c
     assert cli.run(["--profile", "mi355x-pro-tp8", "--data-parallel-size", "2", "--dry-run"]) in (0, 2)
     out = capsys.readouterr().out
     assert f"# note: {FUSED_SHARED_EXPERTS}=1 dropped" in out and f"{FUSED_SHARED_EXPERTS}=1 \\" not in out
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_every_profile_carries_a_k_schedule_the_dry_run_prints_and_vllm_takes(name, capsys):
+    """Issue 48: each profile's speculative config has vLLM's ``num_speculative_tokens_per_batch_size``, printed in
+    one dry-run line; vLLM's own validation and lookup accept it; a dotted ``num_speculative_tokens`` on the command
+    line asks for a static K and drops it (one note); under DP the note says vLLM runs static K."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    from vllm_dsv4_mtp.serve import cli
+    from vllm_dsv4_mtp.serve.profiles import SCHEDULE_KEY
+
+    cmd = build_command(get_profile(name), None, [], environ={})
+    spec = cmd.flag("speculative-config")
+    lookup = build_dynamic_sd_schedule_lookup(spec[SCHEDULE_KEY], cmd.flag("max-num-seqs"), 2)
+    assert lookup[1] == 2 and lookup[-1] == 0  # drafts at one request, none at the profile's full batch
+    assert cli.run(["--profile", name, "--dry-run", "--no-capacity-check"]) in (0, 2)
+    out = capsys.readouterr().out
+    assert sum(f"MTP K schedule ({SCHEDULE_KEY}): K=2 at 1-" in line for line in out.splitlines()) == 1
+    static = build_command(get_profile(name), None, ["--speculative-config.num_speculative_tokens", "3"], environ={})
+    assert static.flag("speculative-config") == {"method": "mtp", "num_speculative_tokens": 3}
+    assert any("K schedule dropped" in n for n in static.notes)
+    dp = build_command(get_profile(name), None, ["--data-parallel-size", "2"], environ={})
+    assert any("vllm#45963" in n and "static K=2" in n for n in dp.notes)

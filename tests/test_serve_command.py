@@ -40,7 +40,11 @@ def test_profile_expands_to_its_flags_and_model():
     assert m["--kv-cache-dtype"] == ["fp8"]
     assert m["--gpu-memory-utilization"] == ["0.85"]
     assert m["--max-num-seqs"] == ["256"]
-    assert json.loads(m["--speculative-config"][0]) == {"method": "mtp", "num_speculative_tokens": 2}
+    assert json.loads(m["--speculative-config"][0]) == {
+        "method": "mtp",
+        "num_speculative_tokens": 2,
+        "num_speculative_tokens_per_batch_size": [[1, 16, 2], [17, 1024, 0]],
+    }
     assert m["--trust-remote-code"] == [""]
     assert cmd.argv[1:3] == ["-m", cmd.module]
     assert cmd.env["VLLM_ROCM_USE_AITER"] == "1"

@@ -297,6 +297,7 @@ def build_command(
         report = [r for r in report if r[0] != k] + [(k, v, "--env")]
     cmd = ServeCommand(profile=profile, model=model, flags=flags, env=env, env_report=report)
     _fused_shared_experts_under_dp(cmd)
+    _k_schedule(cmd, cli_tokens)
     asked = [f"--{key}" for key in MLA_DROPPED_FLAGS if cmd.flag(key) is True]
     if asked and not cmd.in_tree and "VLLM_MLA_DISABLE" not in env:
         env["VLLM_MLA_DISABLE"] = "1"
@@ -332,3 +333,33 @@ def _fused_shared_experts_under_dp(cmd: ServeCommand) -> None:
         f"{FUSED_SHARED_EXPERTS}=1 dropped from profile {cmd.profile.name}: --data-parallel-size {dp}, and vLLM "
         "applies fused shared experts only without data parallelism (it refuses them with DP, vllm#57919)"
     )
+
+
+def _k_schedule(cmd: ServeCommand, cli_tokens: Sequence[str]) -> None:
+    """The profile's K schedule (vLLM's ``num_speculative_tokens_per_batch_size``) against the command line: a
+    ``--speculative-config.num_speculative_tokens N`` without a schedule of its own asks for a static K, so the
+    profile's schedule is dropped; a whole ``--speculative-config`` replaces it anyway. Under data parallelism vLLM
+    drops any schedule itself (vllm#45963): said here, with the static K that runs instead."""
+    from vllm_dsv4_mtp.draft_schedule import describe
+    from vllm_dsv4_mtp.serve.profiles import SCHEDULE_KEY
+
+    spec = cmd.flag("speculative-config")
+    if not isinstance(spec, dict) or not spec.get(SCHEDULE_KEY):
+        return
+    paths = {tuple(path) for key, _, path, _ in parse_vllm_args(cli_tokens) if key == "speculative-config" and path}
+    if ("num_speculative_tokens",) in paths and (SCHEDULE_KEY,) not in paths:
+        spec.pop(SCHEDULE_KEY)
+        cmd.notes.append(
+            f"the profile's K schedule dropped: --speculative-config.num_speculative_tokens "
+            f"{spec['num_speculative_tokens']} asks for a static K (give --speculative-config.{SCHEDULE_KEY} too "
+            "to keep a schedule)"
+        )
+        return
+    k = spec.get("num_speculative_tokens")
+    cmd.notes.append(f"MTP K schedule ({SCHEDULE_KEY}): {describe(spec[SCHEDULE_KEY])}, at most K={k}")
+    dp = int(cmd.flag("data-parallel-size", 1) or 1)
+    if dp > 1:
+        cmd.notes.append(
+            f"with --data-parallel-size {dp} vLLM drops the K schedule (vllm#45963: DP ranks could pick different "
+            f"K) and runs static K={k} at every batch size"
+        )

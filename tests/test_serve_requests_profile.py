@@ -86,19 +86,25 @@ def test_unschedulable_budget_is_refused_at_start_up(embedded_mxfp4, tmp_path, s
     """Issue 38 item 4: ``--profile cpu-tiny --max-num-batched-tokens 256`` left a 600-token prompt waiting
     forever; now vLLM refuses the flags (the profile says chunked prefill is off). The same budget with MTP and
     chunked prefill turned off by vLLM's CPU platform (no ``--no-enable-chunked-prefill`` given) is refused by
-    the plugin's start-up check, naming the flags."""
+    the plugin's start-up check, naming the flags. vLLM's CPU platform turns chunked prefill off only on CPUs
+    without AMX; with AMX it stays on, the budget is fine, and the server must split and serve a 600-token prompt."""
+    import torch
+
+    from vllm_dsv4_mtp.evaluate.server import ManagedServer, ServerSpec
+
     server.stop()  # one server at a time
     log = _failed_start(embedded_mxfp4, tmp_path, 2, ["--max-num-batched-tokens", "256"])
     assert "max_num_batched_tokens (256) is smaller than max_model_len (1024)" in log, log[-3000:]
-    log = _failed_start(
-        embedded_mxfp4,
-        tmp_path,
-        2,
-        ["--max-num-batched-tokens", "256", "--enable-chunked-prefill", "--env", "VLLM_MLA_DISABLE=0"],
-    )
-    assert "could never be scheduled" in log and "--max-num-batched-tokens" in log and "--max-model-len" in log, log[
-        -3000:
-    ]
+    platform_drops = ["--max-num-batched-tokens", "256", "--enable-chunked-prefill", "--env", "VLLM_MLA_DISABLE=0"]
+    if not torch.cpu._is_amx_tile_supported():  # vLLM turns chunked prefill off: the plugin refuses the budget
+        log = _failed_start(embedded_mxfp4, tmp_path, 2, platform_drops)
+        assert "could never be scheduled" in log and "--max-num-batched-tokens" in log, log[-3000:]
+        assert "--max-model-len" in log, log[-3000:]
+        return
+    spec = ServerSpec(model=str(embedded_mxfp4), mtp_k=2, extra_args=platform_drops)
+    with ManagedServer(spec, log_path=tmp_path / "amx.log", start_timeout_s=300, quiet=True) as srv:
+        status, text = call(srv.base_url, {"model": MODEL, "prompt": LONG, "max_tokens": 2}, timeout=300)
+        assert status == 200, text
 
 
 def test_missing_tokenizer_is_named_at_start_up(embedded_mxfp4, tmp_path, server):

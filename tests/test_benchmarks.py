@@ -33,7 +33,7 @@ def test_decode_step_prints_the_plugin_against_the_floor_of_the_same_run(tmp_pat
             "--reps",
             "2",
             "--decode",
-            "33",
+            "65",
             "--no-mtp",
             "--json",
             str(out),
@@ -58,13 +58,22 @@ def test_decode_step_prints_the_plugin_against_the_floor_of_the_same_run(tmp_pat
     for (ms, ratio), b in zip(cells, ("1", "2")):
         assert float(ms) == pytest.approx(bf16["batch_ms"][b], abs=0.006)
         # the ratio pairs each repetition's samples of the two engines (taken seconds apart)
-        paired = [a / f for a, f in zip(bf16["batch_ms_reps"][b], floor["batch_ms_reps"][b])]
-        assert bf16["batch_ratio"][b] == pytest.approx(sum(paired) / 2, abs=0.002)
+        pairs = list(zip(bf16["batch_ms_reps"][b], floor["batch_ms_reps"][b]))
+        paired = [a / f for a, f in pairs]
+        # the samples are kept at 3 decimals: their rounding propagated into each ratio, and the ratio's own
+        assert bf16["batch_ratio"][b] == pytest.approx(sum(paired) / 2, abs=_rounding(pairs) + 5e-4)
         assert float(ratio) == pytest.approx(bf16["batch_ratio"][b], abs=0.051)
     for m in (floor, bf16):
-        span = [a / b for a, b in zip(m["context_ms_reps"]["300"], m["context_ms_reps"]["100"])]
-        assert m["context_span_ratio"] == pytest.approx(sum(span) / 2, abs=0.002)
+        pairs = list(zip(m["context_ms_reps"]["300"], m["context_ms_reps"]["100"]))
+        span = [a / b for a, b in pairs]
+        assert m["context_span_ratio"] == pytest.approx(sum(span) / 2, abs=_rounding(pairs) + 5e-4)
     assert json.loads(r.stdout.split("RESULT ", 1)[1].splitlines()[0]) == result
+
+
+def _rounding(pairs: list[tuple[float, float]]) -> float:
+    """How far the mean of ``a / b`` over ``pairs`` can move when each sample is rounded to 3 decimals (issue 47:
+    6.724 against 6.7263 from samples of 13.352 / 4.359 and 10.4 / 1.001 ms)."""
+    return sum(a / b * 5e-4 * (1 / a + 1 / b) for a, b in pairs) / len(pairs) + 1e-6
 
 
 def test_decode_step_measures_the_floors_own_k2_step_with_a_one_layer_draft(tmp_path):

@@ -298,16 +298,13 @@ def build_command(
     cmd = ServeCommand(profile=profile, model=model, flags=flags, env=env, env_report=report)
     _fused_shared_experts_under_dp(cmd)
     _k_schedule(cmd, cli_tokens)
-    asked = [f"--{key}" for key in MLA_DROPPED_FLAGS if cmd.flag(key) is True]
+    from vllm_dsv4_mtp.startup_checks import MLA_DROPPED
+
+    asked = [flag for flag in MLA_DROPPED if cmd.flag(flag.removeprefix("--")) is True]
     if asked and not cmd.in_tree and "VLLM_MLA_DISABLE" not in env:
         env["VLLM_MLA_DISABLE"] = "1"
         report.append(("VLLM_MLA_DISABLE", "1", f"for {' and '.join(asked)}: vLLM's CPU platform drops it under MLA"))
     return cmd
-
-
-#: the flags vLLM's CPU platform turns off for an MLA model (``model_type: deepseek_v4``) on CPUs without AMX
-#: (``CpuPlatform.check_and_update_config``, one INFO line naming neither flag); ``VLLM_MLA_DISABLE=1`` keeps them
-MLA_DROPPED_FLAGS = ("enable-prefix-caching", "enable-chunked-prefill")
 
 
 def _fused_shared_experts_under_dp(cmd: ServeCommand) -> None:

@@ -223,7 +223,13 @@ def test_data_parallel_drops_the_profiles_fused_shared_experts_and_refuses_the_c
     assert f"# note: {FUSED_SHARED_EXPERTS}=1 dropped" in out and f"{FUSED_SHARED_EXPERTS}=1 \\" not in out
 
 
-@pytest.mark.parametrize("name", sorted(p for p in PROFILES if PROFILES[p].hardware == "mi355x"))
+def _data_parallel(name: str) -> bool:
+    return dict(PROFILES[name].args).get("--data-parallel-size", 1) > 1
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p for p in PROFILES if PROFILES[p].hardware == "mi355x" and not _data_parallel(p))
+)
 def test_every_mi355x_profile_carries_a_k_schedule_the_dry_run_prints_and_vllm_takes(name, capsys):
     """Issue 48: each MI355X profile's speculative config has vLLM's ``num_speculative_tokens_per_batch_size``,
     printed in one dry-run line; vLLM's own validation and lookup accept it; a dotted ``num_speculative_tokens`` on
@@ -246,3 +252,55 @@ def test_every_mi355x_profile_carries_a_k_schedule_the_dry_run_prints_and_vllm_t
     assert any("K schedule dropped" in n for n in static.notes)
     dp = build_command(get_profile(name), None, ["--data-parallel-size", "2"], environ={})
     assert any("vllm#45963" in n and "static K=2" in n for n in dp.notes)
+
+
+def test_the_dp8_ep_profile_spans_nodes_with_commands_vllm_turns_into_one_dp_group(capsys, tmp_path):
+    """Issue 49: ``mi355x-pro-dp8-ep`` is DP8 attention with EP8 experts on one node: no fused shared experts (vLLM
+    turns them off under EP), a static K (vLLM drops a schedule under DP, vllm#45963), the capacity check in its DP
+    topology. ``--nodes 2 --dry-run`` prints one command per node; vLLM's own parser and ``EngineArgs`` turn them
+    into one DP16 group with EP, eight local ranks per node starting at 0 and 8, hybrid load balancing, node 0's
+    address and one RPC port. A TP profile is refused ``--nodes`` (it grows by replicas behind a router)."""
+    import shlex
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_dsv4_mtp.embedded import MXFP4_CHECKPOINT_DIR
+    from vllm_dsv4_mtp.serve import cli
+    from vllm_dsv4_mtp.serve.profiles import FUSED_SHARED_EXPERTS, SCHEDULE_KEY
+
+    cmd = build_command(get_profile("mi355x-pro-dp8-ep"), None, [], environ={})
+    assert cmd.flag("data-parallel-size") == 8 and cmd.flag("enable-expert-parallel") is True
+    assert cmd.flag("tensor-parallel-size") == 1 and FUSED_SHARED_EXPERTS not in cmd.env
+    assert cmd.flag("speculative-config") == {"method": "mtp", "num_speculative_tokens": 2}
+    assert SCHEDULE_KEY not in cmd.shell()
+
+    assert cli.run(["--profile", "mi355x-pro-dp8-ep", "--nodes", "2", "--head-address", "10.0.0.1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "capacity check: amd/DeepSeek-V4-Pro-MXFP4 on MI355X" in out and "TP=1 DP=16 EP" in out and "fits" in out
+    nodes = out.split("\n# node ")[1:]
+    assert len(nodes) == 2
+    configs = []
+    for rank, text in enumerate(nodes):
+        assert text.startswith(f"{rank} of 2: DP ranks {8 * rank}-{8 * rank + 7} of 16")
+        body = "\n".join(ln for ln in text.splitlines()[1:] if not ln.startswith("#")).split("capacity check:")[0]
+        words = shlex.split(body.replace("\\\n", " "))
+        argv = words[words.index("-m") + 2 :]
+        argv[argv.index("--model") + 1] = str(MXFP4_CHECKPOINT_DIR)  # the tiny checkpoint stands in for Pro
+        i = argv.index("--reasoning-parser")  # it builds the tokenizer's vocabulary; the stand-in is read without
+        ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[:i] + argv[i + 2 :])
+        args = EngineArgs.from_cli_args(ns)
+        args.skip_tokenizer_init = True
+        pc = args.create_engine_config().parallel_config
+        configs.append(
+            (pc.data_parallel_size, pc.data_parallel_size_local, pc.data_parallel_rank, pc.data_parallel_hybrid_lb)
+        )
+        assert (pc.data_parallel_master_ip, pc.data_parallel_rpc_port) == ("10.0.0.1", 13345)
+        assert pc.enable_expert_parallel and pc.tensor_parallel_size == 1
+    assert configs == [(16, 8, 0, True), (16, 8, 8, True)]
+
+    assert cli.run(["--profile", "mi355x-pro-tp8", "--nodes", "2", "--dry-run"]) == 2
+    assert "a TP deployment grows by replicas behind a router" in capsys.readouterr().err
+    assert cli.run(["--profile", "mi355x-pro-dp8-ep", "--nodes", "2"]) == 2  # which node is this?
+    assert "give this node's --node-rank (0 to 1) and --head-address" in capsys.readouterr().err

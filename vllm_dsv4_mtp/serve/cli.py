@@ -32,11 +32,13 @@ options:
   --env KEY=VALUE       set an environment variable for the server (wins over the profile and the caller)
   --gpu-memory-gb GB    memory per GPU for the capacity check (default: the profile's hardware)
   --no-capacity-check   start even if the capacity arithmetic says it cannot fit
+  --nodes N             span N nodes (a DP+EP profile): --dry-run prints every node's command; to start one,
+                        give --node-rank R and --head-address IP (node 0's address) on each node
   --ignore-vllm-version start even if the installed vLLM is outside the supported range
   -h, --help            show this help and exit
 """
 
-_VALUED = ("--profile", "--env", "--gpu-memory-gb")
+_VALUED = ("--profile", "--env", "--gpu-memory-gb", "--nodes", "--node-rank", "--head-address")
 _SWITCHES = ("--list-profiles", "--dry-run", "--no-capacity-check", "--ignore-vllm-version", "-h", "--help")
 
 
@@ -59,6 +61,9 @@ class _Options:
         self.help = False
         self.model: str | None = None
         self.vllm: list[str] = []
+        self.nodes = 1
+        self.node_rank: int | None = None
+        self.head_address: str | None = None
 
 
 def parse_serve_argv(argv: list[str]) -> _Options:
@@ -81,6 +86,12 @@ def parse_serve_argv(argv: list[str]) -> _Options:
                 i += 1
             if name == "--profile":
                 o.profile = val
+            elif name in ("--nodes", "--node-rank"):
+                if not val.isdigit():
+                    raise ServeArgsError(f"{name} needs a whole number, got {val!r}")
+                setattr(o, name[2:].replace("-", "_"), int(val))
+            elif name == "--head-address":
+                o.head_address = val
             elif name == "--gpu-memory-gb":
                 try:
                     o.gpu_memory_gb = float(val)
@@ -187,6 +198,36 @@ def _capacity_refusal(cmd, o: _Options) -> str | None:
     return None
 
 
+def _node_commands(cmd, o: _Options) -> list[tuple[str, object]]:
+    """``--nodes N``: ``(header, command)`` of every node for a dry run, or of ``--node-rank`` only to start it."""
+    from vllm_dsv4_mtp.serve.command import HEAD_PLACEHOLDER, ServeArgsError, build_command, node_flags
+
+    if o.nodes <= 1:
+        if o.node_rank is not None or o.head_address is not None:
+            raise ServeArgsError("--node-rank and --head-address go with --nodes N (N > 1)")
+        return []
+    if not o.dry_run and (o.node_rank is None or o.head_address is None):
+        raise ServeArgsError(
+            f"--nodes {o.nodes}: give this node's --node-rank (0 to {o.nodes - 1}) and --head-address (node 0's "
+            "address, reachable from every node), or --dry-run to print every node's command"
+        )
+    head = o.head_address or HEAD_PLACEHOLDER
+    ranks = [o.node_rank] if o.node_rank is not None else range(o.nodes)
+    out = []
+    for rank in ranks:
+        node = build_command(cmd.profile, o.model, o.vllm + node_flags(cmd, o.nodes, rank, head), env_overrides=o.env)
+        local = int(cmd.flag("data-parallel-size"))
+        out.append(
+            (
+                f"node {rank} of {o.nodes}: DP ranks {rank * local}-{(rank + 1) * local - 1} of {local * o.nodes}, EP "
+                f"over all of them; an API server on this node{' (coordinates the DP group)' if rank == 0 else ''}"
+                + (f"; {HEAD_PLACEHOLDER} = node 0's address (--head-address)" if head == HEAD_PLACEHOLDER else ""),
+                node,
+            )
+        )
+    return out
+
+
 def run(argv: list[str]) -> int:
     from vllm_dsv4_mtp.serve.command import ServeArgsError, build_command, server_module
     from vllm_dsv4_mtp.serve.profiles import PROFILES, default_model, get_profile
@@ -205,6 +246,9 @@ def run(argv: list[str]) -> int:
             raise ServeArgsError(f"--profile is required (one of: {', '.join(PROFILES)})")
         profile = get_profile(o.profile)
         cmd = build_command(profile, o.model, o.vllm, env_overrides=o.env)
+        nodes = _node_commands(cmd, o)
+        if nodes:
+            cmd = nodes[0][1]
     except (ServeArgsError, KeyError) as e:
         print(f"dsv4-mtp serve: error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
@@ -215,7 +259,9 @@ def run(argv: list[str]) -> int:
     except UnsupportedVllmError as e:
         vllm_version, version_problem = None, str(e)
     try:
-        cmd.module = server_module()
+        module = server_module()
+        for c in [cmd] + [c for _, c in nodes]:
+            c.module = module
     except ServeArgsError:
         pass  # no vLLM here: the printed command keeps the 0.32 module name
 
@@ -228,7 +274,11 @@ def run(argv: list[str]) -> int:
         print(f"#   {k}={v}  [{origin}]")
     for note in cmd.notes:
         print(f"# note: {note}")
-    print(cmd.shell(), flush=True)
+    for header, node in nodes:
+        print(f"# {header}")
+        print(node.shell())
+    if not nodes:
+        print(cmd.shell(), flush=True)
 
     problem = _missing_model_dir(cmd, o) or (_capacity_refusal(cmd, o) if profile.hardware is not None else None)
     if problem:

@@ -307,6 +307,36 @@ def build_command(
     return cmd
 
 
+#: the port vLLM's DP ranks coordinate on across nodes (any port free on the head node, the same on every node)
+DP_RPC_PORT = 13345
+#: what a printed multi-node command says where the caller gave no --head-address
+HEAD_PLACEHOLDER = "HEAD_IP"
+
+
+def node_flags(cmd: ServeCommand, nodes: int, rank: int, head: str) -> list[str]:
+    """The flags that make ``cmd`` (one node's DP+EP deployment) node ``rank`` of ``nodes``.
+
+    vLLM's hybrid load balancing, the multi-node strategy of vLLM's DeepSeek-V4 recipe: one data-parallel group
+    (and so one expert-parallel group) over every node's GPUs, and on each node an API server that balances over
+    that node's own DP ranks. A router in front spreads clients over the nodes' servers (docs/scale-out.md)::
+
+        DP = local DP x nodes;  node r runs DP ranks [r x local, (r + 1) x local);  rank 0's node coordinates
+    """
+    local = int(cmd.flag("data-parallel-size", 1) or 1)
+    if local <= 1 or not cmd.flag("enable-expert-parallel", False):
+        raise ServeArgsError(
+            "--nodes spans a DP+EP deployment (--data-parallel-size > 1 with --enable-expert-parallel, e.g. "
+            "--profile mi355x-pro-dp8-ep); a TP deployment grows by replicas behind a router (docs/scale-out.md)"
+        )
+    if not 0 <= rank < nodes:
+        raise ServeArgsError(f"--node-rank {rank} is not one of the {nodes} nodes (0 to {nodes - 1})")
+    return [
+        "--data-parallel-size", str(local * nodes), "--data-parallel-size-local", str(local),
+        "--data-parallel-start-rank", str(rank * local), "--data-parallel-address", head,
+        "--data-parallel-rpc-port", str(DP_RPC_PORT), "--data-parallel-hybrid-lb",
+    ]  # fmt: skip
+
+
 def _fused_shared_experts_under_dp(cmd: ServeCommand) -> None:
     """vLLM refuses the fused shared expert at model construction under data parallelism without EP (vllm#57919,
     "DeepSeek-V4 fused shared experts ... are not supported with data parallelism") and turns it off silently with

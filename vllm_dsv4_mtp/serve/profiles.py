@@ -309,9 +309,11 @@ CPU_SHUTDOWN_TIMEOUT_S = 10
 SHUTDOWN_MIDDLEWARE = "vllm_dsv4_mtp.serve.shutdown.EndStreamsOnShutdown"
 
 
-def _gpu_args(tp: int, k: int, schedule=MI355X_SCHEDULE) -> tuple[tuple[str, Any], ...]:
+def _gpu_args(tp: int, k: int, schedule=MI355X_SCHEDULE, dp: int = 1) -> tuple[tuple[str, Any], ...]:
+    data_parallel = (("--data-parallel-size", dp), ("--enable-expert-parallel", True)) if dp > 1 else ()
     return (
         ("--tensor-parallel-size", tp),
+        *data_parallel,
         ("--gpu-memory-utilization", 0.85),
         ("--max-num-seqs", 256),
         ("--max-num-batched-tokens", 8192),
@@ -345,6 +347,17 @@ PROFILES: Mapping[str, Profile] = MappingProxyType(
                 hardware="mi355x",
                 args=_gpu_args(tp=8, k=2),
                 env=_ROCM_TP8_ENV,
+            ),
+            Profile(
+                name="mi355x-pro-dp8-ep",
+                description="DeepSeek-V4-Pro MXFP4 on 8x MI355X as DP8 attention + EP8 experts: vLLM's in-tree "
+                "target with AITER, fp8 KV, the plugin's BF16 MTP draft K=2 (static: vLLM drops a K schedule under "
+                "DP); --nodes N spans N nodes",
+                model="amd/DeepSeek-V4-Pro-MXFP4",
+                hardware="mi355x",
+                # no fused shared experts (vLLM turns them off under EP) and no K schedule (vllm#45963)
+                args=_gpu_args(tp=1, k=2, schedule=None, dp=8),
+                env=_ROCM_ENV,
             ),
             Profile(
                 name="mi355x-flash-tp4",

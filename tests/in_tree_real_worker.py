@@ -155,6 +155,10 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
             from in_tree_forward import run_forward
 
             result["forward"] = run_forward(case, out, rank, model, vc)
+        if case.get("k0"):  # a step under the K-per-batch-size schedule (tests/test_in_tree_mtp_k0.py)
+            from in_tree_forward import run_k0
+
+            result["k0"] = run_k0(case, out, rank, model, vc)
         result["fused_shared_expert"] = model.fused_shared_expert
         result["methods"] = {
             n: type(m.quant_method).__name__

@@ -205,7 +205,12 @@ class SwaSinkAttention:
     DeepSeek-V4 spec's sliding-window attention with the sink (dsv4-architecture.md 4.1), for a prefill of
     ``positions`` ``0..T-1`` with no earlier KV, computed from the real module's loaded parameters
     (``fused_wqa_wkv``, ``q_norm``, ``wq_b``, ``kv_norm``, ``attn_sink``, ``wo_a``, ``wo_b``). What it does not
-    check: vLLM's KV-cache layout and kernels."""
+    check: vLLM's KV-cache layout and kernels.
+
+    Where vLLM's forward context carries metadata for the layer's SWA cache (the K = 0 cases), it also does what the
+    ROCm fused q-norm/RoPE/KV-insert kernel does to the cache (bf16 plain-row layout, the kernel's
+    ``..._full_cache_bf16_insert``): each token's normed, rotated kv row goes to its ``slot_mapping`` slot of
+    ``swa_cache_layer.kv_cache``; and tokens attend only within their own request (``query_start_loc_cpu``)."""
 
     def __init__(self, attn, rope_theta: float, window: int):
         self.attn, self.theta, self.window = attn, rope_theta, window
@@ -229,6 +234,14 @@ class SwaSinkAttention:
         scores = torch.einsum("thd,kd->thk", q, kv) * d**-0.5
         qp, kp = positions[:, None], positions[None, :]
         visible = (kp <= qp) & (kp > qp - self.window)
+        swa = self._swa_metadata()
+        if swa is not None:
+            cache = a.swa_cache_layer.kv_cache
+            cache.view(-1, d)[swa.slot_mapping[:t].long()] = kv.to(cache.dtype)
+            req = torch.repeat_interleave(
+                torch.arange(len(swa.query_start_loc_cpu) - 1), swa.query_start_loc_cpu.diff()
+            )
+            visible &= req[:, None] == req[None, :]
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         sink = a.attn_sink.float()[None, :, None].expand(t, h, 1)
         probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]  # the sink only in the denominator
@@ -238,6 +251,14 @@ class SwaSinkAttention:
         wo_a = w["wo_a"].view(groups, a.o_lora_rank, -1)
         z = torch.einsum("tgk,grk->tgr", o.reshape(t, groups, -1), wo_a)
         return (z.flatten(1) @ w["wo_b"].T).to(hidden_states.dtype)
+
+    def _swa_metadata(self):
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return None
+        md = get_forward_context().attn_metadata
+        return md.get(self.attn.swa_cache_layer.prefix) if isinstance(md, dict) else None
 
 
 class _Kernel:

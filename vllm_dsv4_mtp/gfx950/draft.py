@@ -53,8 +53,9 @@ class DeepSeekV4MTPModel(DeepSeekV4MTP):
         self.plan = plan
         self.stored = quant is not None
         self.step_k = StepK(vllm_config)
-        self.k0_logits_discarded = runner_samples_at_k0(vllm_config)
-        if self.step_k.lookup is not None and self.k0_logits_discarded:
+        # asked only with a schedule: without one no forward is taken for K = 0
+        self.k0_logits_discarded = self.step_k.lookup is not None and runner_samples_at_k0(vllm_config)
+        if self.k0_logits_discarded:
             logger.info(
                 "vllm-dsv4-mtp: this vLLM's Model Runner V2 samples the draft at K=0 steps and discards the result; "
                 "the draft answers those samples with zero logits"

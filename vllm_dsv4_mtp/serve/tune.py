@@ -304,12 +304,9 @@ def comparison(tok: tp.TokS, levels: list[int], check: list[int], k_max: int) ->
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "tune",
-        help="measure MTP off / K per concurrency on this machine and write a K schedule",
-        description=__doc__.split("\n\n")[0],
-        usage="dsv4-mtp tune [--profile NAME | --command 'SERVE COMMAND'] [options] [-- vLLM flags...]",
-    )
+    usage = "dsv4-mtp tune [--profile NAME | --command 'SERVE COMMAND'] [options] [-- vLLM flags...]"
+    what = "measure MTP off / K per concurrency on this machine and write a K schedule"
+    p = subparsers.add_parser("tune", help=what, description=__doc__.split("\n\n")[0], usage=usage)
     p.add_argument("--profile", default=None, help="dsv4-mtp serve profile (default cpu-tiny unless --command)")
     p.add_argument(
         "--command",

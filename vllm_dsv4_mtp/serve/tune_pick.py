@@ -155,11 +155,13 @@ def recommend(tok_s: TokS, load: list[int], k_max: int, tie: float, tuned_is_con
     tuned = scores[TUNED] if tuned_is_config else 0.0
     at = ", ".join(map(str, load))
     if scores[OFF] >= max(tuned, scores[best_static]):
+        tuned_part = f"the tuned config makes {tuned / scores[OFF]:.2f}x off's tokens/s"
+        made = tuned_part if tuned_is_config else "every level picked K=0"
         reason = (
-            f"at your load (concurrency {at}) no speculative config beats serving without one: the tuned config makes "
-            f"{tuned / scores[OFF]:.2f}x off's tokens/s, static {label(best_static)} "
-            f"{scores[best_static] / scores[OFF]:.2f}x (geometric means). K=0 in a schedule is not MTP off: vLLM "
-            "still runs the draft's forward at every step. Serve without --speculative-config"
+            f"at your load (concurrency {at}) no speculative config beats serving without one: {made}, static "
+            f"{label(best_static)} {scores[best_static] / scores[OFF]:.2f}x off's (geometric means). K=0 in a "
+            "schedule is not MTP off: vLLM still runs the draft's forward at every step. Serve without "
+            "--speculative-config"
         )
         choice = OFF
     elif tuned >= (1 - tie) * scores[best_static]:
@@ -170,8 +172,8 @@ def recommend(tok_s: TokS, load: list[int], k_max: int, tie: float, tuned_is_con
         choice = TUNED
     else:
         reason = (
-            f"at your load (concurrency {at}) static {label(best_static)} beats the tuned schedule by more than "
-            f"{tie:.0%}: the schedule makes {tuned / scores[best_static]:.2f}x its tokens/s (geometric means), so "
+            f"at your load (concurrency {at}) static {label(best_static)} beats the tuned config by more than "
+            f"{tie:.0%}: the tuned config makes {tuned / scores[best_static]:.2f}x its tokens/s (geometric means), so "
             "serve the static K"
         )
         choice = best_static

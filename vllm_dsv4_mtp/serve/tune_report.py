@@ -35,14 +35,21 @@ def markdown(report: dict) -> str:
         cells = [name, *(_num(row[n]) for n in measured), _num(picks.get(c)), tuned, *ratios]
         lines.append("| " + " | ".join(cells) + " |")
     rec = report["recommendation"]
-    lines += ["", f"Schedule (batch-size ranges, each level's K up to the geometric midpoint): `{report['schedule']}`"]
-    lines += [f"Tuned speculative config: `{json.dumps(report['tuned_config'], separators=(',', ':'))}`"]
+    swept = [r for r in report["comparison"] if not r["threshold_check"] and r["tuned/best_static"] is not None]
+    worst = min(swept, key=lambda r: r["tuned/best_static"])
+    lines += [
+        "",
+        f"- Tuned / the best static K at every level of the sweep: at least {worst['tuned/best_static']:.2f}x",
+    ]
+    lines[-1] += f" (at {worst['concurrency']})"
+    lines += [f"- Schedule (each level's K up to the geometric midpoint to the next): `{report['schedule']}`"]
+    lines += [f"- Tuned speculative config: `{json.dumps(report['tuned_config'], separators=(',', ':'))}`"]
     for t in report["collapse"]:
         seen = ", ".join(f"{x['concurrency']}: {x['tok_s']:.0f}" for x in t["levels"])
         verdict = "**collapse** (vllm#49548)" if t["collapse"] else "no collapse"
-        lines.append(f"Threshold at {t['threshold']} requests: {verdict} (tok/s {seen})")
+        lines.append(f"- Threshold at {t['threshold']} requests: {verdict} (tok/s {seen})")
     if not report["collapse"]:
-        lines.append("No threshold: the tuned config is one static K (or K=0 everywhere).")
+        lines.append("- No threshold: the tuned config is one static K (or K=0 everywhere)")
     reason = rec["reason"][:1].upper() + rec["reason"][1:]
     lines += ["", f"**Recommendation: {_choice(rec['choice'])}.** {reason}.", "", "```bash", rec["command"], "```"]
     lines += [

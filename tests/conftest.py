@@ -45,6 +45,7 @@ IN_TREE_HARNESS = (
     "test_in_tree_mtp_stored.py",
     "test_gfx950_draft_plan.py",
     "test_in_tree_isa.py",
+    "test_in_tree_mtp_dp.py",
 )
 
 

@@ -124,7 +124,7 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
     lines.lines.clear()
     result: dict = {"error": None}
     try:
-        vc = engine_config(case)
+        vc = as_dp_rank(engine_config(case), case, rank)
         # attached after the config is built: building it reconfigures vLLM's loggers
         draft_logger = logging.getLogger("vllm.dsv4_mtp.gfx950")
         if lines not in draft_logger.handlers:
@@ -210,12 +210,30 @@ def run_case(case: dict, rank: int, out: Path, lines: _Lines) -> dict:
 
 def ep_filtered(names, model, vc, rank: int) -> list[str]:
     """The checkpoint names vLLM's default loader passes on under ``--enable-ep-weight-filter``: its own
-    ``compute_local_expert_ids`` / ``should_skip_weight`` (linear placement, EP size = TP size here)."""
+    ``compute_local_expert_ids`` / ``should_skip_weight`` (linear placement), with EP over DP x TP as its loader
+    counts it (``ep_rank = dp_rank x TP + tp_rank``; ``rank`` here is the process's rank over DP x TP)."""
     from vllm.model_executor.model_loader.ep_weight_filter import compute_local_expert_ids, should_skip_weight
 
-    world = vc.parallel_config.tensor_parallel_size
+    pc = vc.parallel_config
+    world = pc.tensor_parallel_size * pc.data_parallel_size
     local = compute_local_expert_ids(model.config.n_routed_experts, world, rank)
     return [n for n in names if not should_skip_weight(n, local)]
+
+
+def as_dp_rank(vc, case: dict, rank: int):
+    """What vLLM's engine-core process sets on its copy of the config for DP rank ``rank // TP`` (``EngineCoreProc``
+    / ``DPEngineCoreProc``: ``data_parallel_rank``, ``_rank_local``, ``_index``), with the DP group's rendezvous
+    port the same in every rank (``case["dp_port"]``: vLLM's launcher hands it to each engine)."""
+    dp = case.get("dp", 1)
+    if dp == 1:
+        return vc
+    pc = vc.parallel_config
+    assert pc.data_parallel_size == dp, (pc.data_parallel_size, dp)
+    dp_rank = rank // pc.tensor_parallel_size
+    pc.data_parallel_rank = pc.data_parallel_rank_local = pc.data_parallel_index = dp_rank
+    pc.data_parallel_master_ip, pc.data_parallel_master_port = "127.0.0.1", case["dp_port"]
+    pc._data_parallel_master_port_list = []
+    return vc
 
 
 def control(case: dict, vc, result: dict) -> dict:
@@ -245,13 +263,25 @@ def rank_main(rank: int, world: int, rendezvous: str, out: Path, cases: list[dic
     # what vLLM's CPU worker sets before its communicators start (their shared-memory segment names)
     os.environ["VLLM_DIST_IDENT"] = Path(rendezvous).parent.name
     lines = _Lines()
-    with rocm_standins.x86_config_check_without_triton_cpu():
-        empty = VllmConfig()
-    with set_current_vllm_config(empty):
+    tp = cases[0]["tp"]
+    if cases[0].get("dp", 1) > 1:
+        # as a DP engine's worker starts: its own TP rank and size; vLLM's init_distributed_environment widens them
+        # to the DP x TP world from the config (and rendezvouses at its DP master address)
+        config = as_dp_rank(engine_config(dict(cases[0])), cases[0], rank)
+        local_rank, local_world = rank % tp, tp
+    else:
+        with rocm_standins.x86_config_check_without_triton_cpu():
+            config = VllmConfig()
+        local_rank, local_world = rank, world
+    with set_current_vllm_config(config):
         init_distributed_environment(
-            world_size=world, rank=rank, local_rank=rank, backend="gloo", distributed_init_method=f"file://{rendezvous}"
+            world_size=local_world,
+            rank=local_rank,
+            local_rank=rank,
+            backend="gloo",
+            distributed_init_method=f"file://{rendezvous}",
         )
-        initialize_model_parallel(world, 1)
+        initialize_model_parallel(tp, 1)
     for case in cases:
         result = run_case(case, rank, out, lines)
         (out / f"{case['name']}-rank{rank}.json").write_text(json.dumps(result))
@@ -281,9 +311,10 @@ def main() -> None:
     (out / "version.txt").write_text(vllm.__version__)
     (out / "ops.json").write_text(json.dumps(ops_builds_loaded()))
     ctx = mp.get_context("fork")
-    for world in sorted({c["tp"] for c in cases}):
+    for tp, dp in sorted({(c["tp"], c.get("dp", 1)) for c in cases}):
+        world = tp * dp
         rendezvous = tempfile.mkdtemp(dir=out) + "/rendezvous"
-        mine = [c for c in cases if c["tp"] == world]
+        mine = [c for c in cases if (c["tp"], c.get("dp", 1)) == (tp, dp)]
         procs = [ctx.Process(target=rank_main, args=(r, world, rendezvous, out, mine)) for r in range(world)]
         for p in procs:
             p.start()
@@ -291,7 +322,7 @@ def main() -> None:
             p.join()
         bad = [p.exitcode for p in procs if p.exitcode]
         if bad:
-            sys.exit(f"tp {world}: rank(s) failed with exit codes {bad}")
+            sys.exit(f"tp {tp} dp {dp}: rank(s) failed with exit codes {bad}")
 
 
 if __name__ == "__main__":

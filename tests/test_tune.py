@@ -135,7 +135,8 @@ def test_data_parallelism_is_refused_with_why(argv, capsys):
 
 
 def test_dry_run_prints_one_server_per_candidate(capsys):
-    assert main(["tune", "--dry-run", "--k-max", "2", "--concurrency", "1", "16", "--", "--dtype", "float32"]) == 0
+    argv = ["tune", "--dry-run", "--k-max", "2", "--concurrency", "1", "16", "--", "--dtype", "float32"]
+    assert main([*argv, "--port", "8000"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0::2] == ["# off", "# K=0 (schedule)", "# K=1", "# K=2"]
     configs = []
@@ -143,7 +144,7 @@ def test_dry_run_prints_one_server_per_candidate(capsys):
         argv = shlex.split(line)
         assert argv[1:5] == ["-m", "vllm_dsv4_mtp.serve.cli", "--profile", "cpu-tiny"]
         assert argv[argv.index("--max-num-seqs") + 1] == "16"  # the profile's 8 raised to the largest level
-        assert "--dtype" in argv
+        assert "--dtype" in argv and argv[argv.index("--port") + 1] == "0" and argv.count("--port") == 1
         configs.append(json.loads(argv[len(argv) - 1 - argv[::-1].index("--speculative-config") + 1]))
     assert configs[0] is None
     assert configs[1] == {"method": "mtp", "num_speculative_tokens": 2, SCHEDULE_KEY: [[1, 16, 0]]}
@@ -153,13 +154,14 @@ def test_dry_run_prints_one_server_per_candidate(capsys):
 
 def test_a_plain_vllm_command_keeps_its_flags_and_method(capsys):
     cmd = (
-        "VLLM_CPU_KVCACHE_SPACE=2 vllm serve /m/dsv4 --max-num-seqs 128 --enforce-eager "
+        "VLLM_CPU_KVCACHE_SPACE=2 vllm serve /m/dsv4 --max-num-seqs 128 --enforce-eager --port 8000 "
         '--speculative-config \'{"method":"deepseek_mtp","num_speculative_tokens":2}\''
     )
     assert main(["tune", "--dry-run", "--k-max", "1", "--command", cmd]) == 0
     lines = capsys.readouterr().out.splitlines()
     argv = shlex.split(lines[5])
     assert argv[3:5] == ["--model", "/m/dsv4"] and "--enforce-eager" in argv
+    assert argv[-4:] == ["--host", "127.0.0.1", "--port", "0"] and argv.count("--port") == 1
     assert argv[argv.index("--max-num-seqs") + 1] == "128"  # the command's, above the largest level
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
         "method": "deepseek_mtp",

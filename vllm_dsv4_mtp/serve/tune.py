@@ -118,7 +118,7 @@ def parse_command(text: str) -> tuple[str | None, str | None, list[str], list[st
     names = [os.path.basename(w) for w in words[:2]]
     if names[:2] == ["dsv4-mtp", "serve"]:
         o = parse_serve_argv(words[2:])
-        return o.profile, o.model, o.vllm, env_words + words[:2], env
+        return o.profile, o.model, o.vllm, env_words + words[:2], env | o.env
     if names[:2] == ["vllm", "serve"]:
         rest = words[2:]
         model = rest.pop(0) if rest and not rest[0].startswith("-") else None
@@ -155,9 +155,10 @@ def resolve(args) -> Plan:
         base = {k: v for k, v in spec.items() if k != SCHEDULE_KEY}
     else:
         base = mtp_speculative_config(1)
-    own = []  # the tuner owns --speculative-config and --max-num-seqs
+    # the tuner owns the speculative config and --max-num-seqs; its servers listen on loopback ports of their own
+    own = []
     for key, option, _path, value in parse_vllm_args(flags):
-        if key in ("speculative-config", "max-num-seqs", "model"):
+        if key in ("speculative-config", "max-num-seqs", "model", "host", "port"):
             continue
         own += [option] if value is BARE else [option, value]
     top = max(args.concurrency)

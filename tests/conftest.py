@@ -46,6 +46,7 @@ IN_TREE_HARNESS = (
     "test_gfx950_draft_plan.py",
     "test_in_tree_isa.py",
     "test_in_tree_mtp_dp.py",
+    "test_in_tree_mtp_k0.py",
 )
 
 

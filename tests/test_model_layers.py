@@ -388,14 +388,15 @@ def _copy_moe(ref, mine, fmt, pack=False):
 
 @pytest.mark.parametrize("is_hash", [True, False])
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("way", ["grouped", "all"])
 @pytest.mark.usefixtures("vllm_dist")
-def test_moe_matches_hf(tmp_path, is_hash, fmt, packed):
+def test_moe_matches_hf(tmp_path, is_hash, fmt, way, monkeypatch):
     """Router (hash / bias-selected), SwiGLU clamp, shared expert; MXFP4 weight-only equals HF on the decoded
-    weights; W4A4 equals the same experts on fake-quantised activations. ``packed``: as the model loads it, so
-    these sizes take the all-expert pass for 8 and 64 tokens (the shared expert in it; under W4A4 beside it,
-    unrounded), not for 1,000; unpacked, the per-expert dispatch."""
+    weights; W4A4 equals the same experts on fake-quantised activations. ``way``: the routed experts packed as
+    the model loads them, so these sizes take the kit's all-experts way for 8 and 64 tokens ("all"), or with no
+    all-experts GEMMs packed, the grouped way for every step ("grouped")."""
     from vllm_dsv4_mtp.config import DeepseekV4Spec
+    from vllm_dsv4_mtp.cpu import experts as kit_experts
     from vllm_dsv4_mtp.formats import mxfp4
     from vllm_dsv4_mtp.model.experts import swiglu_clamped
     from vllm_dsv4_mtp.model.moe import DeepseekV4MoE
@@ -411,11 +412,14 @@ def test_moe_matches_hf(tmp_path, is_hash, fmt, packed):
     else:  # a bias large enough to change the selection, so "bias selects, scores weigh" is tested
         ref.gate.e_score_correction_bias.copy_(torch.randn(cfg["n_routed_experts"], generator=g) * 2)
     mine = DeepseekV4MoE(DeepseekV4Spec.from_dict(cfg), lid, prefix=f"model.layers.{lid}.ffn")
-    _copy_moe(ref, mine, fmt, pack=packed)
+    if way == "grouped":
+        monkeypatch.setattr(kit_experts, "ALL_EXPERTS_MACS", 0)
+    _copy_moe(ref, mine, fmt, pack=True)
     x = torch.randn(1, 64, cfg["hidden_size"]) * 3
     ids = torch.randint(0, cfg["vocab_size"], (1, 64), generator=g)
     ex = mine.experts
-    assert ex.takes_all(8) == packed and ex.all_includes_shared == packed and not ex.takes_all(1000)
+    assert (ex._packed.all is not None) == (way == "all")
+    assert kit_experts.all_experts_pay(64, ex.local_experts, ex.local_intermediate, ex.hidden_size) == (way == "all")
     with torch.no_grad():
         y_ref = ref(x, ids)[0]
         y = mine(x[0], ids[0])
@@ -428,9 +432,6 @@ def test_moe_matches_hf(tmp_path, is_hash, fmt, packed):
         assert gate_up.abs().max() > cfg["swiglu_limit"]
         if fmt == "mxfp4":
             mine.experts.activation_quant = True
-            if packed:  # the shared expert (BF16 here) no longer joins the W4A4 pass: packed again, beside it
-                mine.pack()
-                assert ex.takes_all(8) and not ex.all_includes_shared
             y44 = mine(x[0], ids[0])
             # the emulation, written out: exact decode, MXFP4 rounding of each GEMM input, weight after w2
             w, e_ids = mine.gate(x[0], ids[0])

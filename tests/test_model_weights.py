@@ -324,14 +324,14 @@ def test_weights_written_in_place_after_preparing_are_prepared_again_before_a_fo
     layer = model.model.layers[0].attn.wq_b
     experts = model.model.layers[0].ffn.experts
     x = torch.randn(3, layer.weight.shape[1]).to(torch.bfloat16)
-    old_gemm, old_slices = layer.gemm, experts._linears
+    old_gemm, old_slices = layer.gemm, experts._packed
     records = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("vllm.dsv4_mtp.cpu_kit").addHandler(handler)
     try:
         ensure_prepared(model)
-        assert records == [] and layer.gemm is old_gemm and experts._linears is old_slices
+        assert records == [] and layer.gemm is old_gemm and experts._packed is old_slices
         new = torch.randn(layer.weight.shape).to(torch.bfloat16)
         with torch.no_grad():
             layer.weight.copy_(new)
@@ -343,6 +343,6 @@ def test_weights_written_in_place_after_preparing_are_prepared_again_before_a_fo
         logging.getLogger("vllm.dsv4_mtp.cpu_kit").removeHandler(handler)
     assert len(records) == 1 and "written in place since they were prepared" in records[0], records
     assert torch.equal(layer.gemm(x), F.linear(x.float(), new.float()).to(torch.bfloat16))
-    assert experts._linears is not old_slices
+    assert experts._packed is not old_slices
     xe = torch.randn(2, experts.w13_weight.shape[2]).to(torch.bfloat16)
-    assert torch.equal(experts._linears[0][0](xe), F.linear(xe.float(), experts.w13_weight[0].float()).to(xe.dtype))
+    assert torch.equal(experts._packed.up[0](xe), F.linear(xe.float(), experts.w13_weight[0].float()).to(xe.dtype))

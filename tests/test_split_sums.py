@@ -4,7 +4,7 @@ The engine-level check is ``tests/test_tensor_parallel.py`` (TP2 against TP1 thr
 expert included); here the arithmetic: a float32 sum split in two parts and added in float32 differs from the
 whole sum in some elements, while the same parts in float64, rounded once, equal the whole sum rounded once; and
 the routed experts' two tensor- or expert-parallel ranks, packed as the model loads them, add up to one rank's
-result bit for bit, on the all-expert pass and on the dispatch.
+result bit for bit, both ways the kit computes them.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_dsv4_mtp.cpu import experts as kit_experts
 from vllm_dsv4_mtp.model import experts, split_sums
 
 
@@ -67,9 +68,9 @@ def _experts(weights, dtype, **tp):
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_two_ranks_add_up_to_one_rank_bit_for_bit(expert_parallel):
     """float32, packed: the two ranks' float64 parts, summed and rounded once, are one rank's result exactly (the
-    dispatch and the all-expert pass, at 7 and 300 tokens). Unpacked, a tensor-parallel rank rounds each
-    expert's half of the sum to float32 before the ranks add them, and they no longer add up exactly (expert
-    parallel ranks hold whole experts: their dispatch splits no expert's sum)."""
+    grouped way and the all-experts way, at 7 and 300 tokens). With float32 down projections instead, a
+    tensor-parallel rank rounds each expert's half of the sum to float32 before the ranks add them, and they no
+    longer add up exactly (expert parallel ranks hold whole experts: their grouped way splits no expert's sum)."""
     g = torch.Generator().manual_seed(11)
     E, D, I = 8, 64, 64
     weights = [
@@ -86,21 +87,24 @@ def test_two_ranks_add_up_to_one_rank_bit_for_bit(expert_parallel):
         x = torch.randn(tokens, D, generator=g)
         ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
         ws = torch.rand(tokens, 2, generator=g)
-        if not expert_parallel:
-            unpacked = whole(x, ws, ids).float(), (ranks[0](x, ws, ids) + ranks[1](x, ws, ids)).float()
-            assert not torch.equal(*unpacked), tokens
-        for ex in (whole, *ranks):
-            ex.pack()
-            ex.pack_all()
-        for run in (
-            lambda ex, x=x, ws=ws, ids=ids: ex(x, ws, ids),
-            lambda ex, x=x, ws=ws, ids=ids: ex.forward_all(x, ws, ids),
-        ):
-            one, parts = run(whole), [run(ex) for ex in ranks]
+        for budget in (0, kit_experts.ALL_EXPERTS_MACS):  # the grouped way only; the kit's choice
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(kit_experts, "ALL_EXPERTS_MACS", budget)
+                for ex in (whole, *ranks):
+                    ex.pack()
+            one, parts = whole(x, ws, ids), [ex(x, ws, ids) for ex in ranks]
             assert one.dtype == parts[0].dtype == torch.float64
             assert torch.equal((parts[0] + parts[1]).float(), one.float()), tokens
-        for ex in (whole, *ranks):
-            ex._linears, ex._all = None, None
+        if not expert_parallel:  # the grouped way with float32 down projections
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(kit_experts, "ALL_EXPERTS_MACS", 0)
+                one, *parts = (
+                    kit_experts.PackedExperts(
+                        ex.w13_weight.data, ex.w2_weight.data, first=0, num_experts=E, out_dtype=torch.float32
+                    )(x, ws, ids, whole.activation)
+                    for ex in (whole, *ranks)
+                )
+            assert not torch.equal(one, parts[0] + parts[1]), tokens
 
 
 @pytest.mark.usefixtures("vllm_dist")

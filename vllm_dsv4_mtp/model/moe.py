@@ -7,9 +7,14 @@ Router, per token (float32)::
         | topk(s + gate.bias, k)      (the bias only SELECTS)
     w   = s[ids] / sum(s[ids]) * routed_scaling_factor
 
-Every expert (routed and shared) is ``w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))`` with ``L = swiglu_limit``;
-the output is ``sum_k w_k expert_k(x) + shared(x)``. The routed-expert GEMMs are in
-``vllm_dsv4_mtp.model.experts``; every layer reads its sizes and routing rule from the validated spec.
+MoE, per token::
+
+    y = sum_k w_k expert_{ids_k}(x)                  # the routed experts: model/experts.py
+      + shared(x)                                    # no routing weight
+    y = all_reduce(y)                                # the ranks' parts (TP: widths, EP: experts)
+
+Every expert (routed and shared) is ``w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))`` with ``L = swiglu_limit``.
+Every layer reads its sizes and routing rule from the validated spec.
 """
 
 from __future__ import annotations
@@ -126,7 +131,6 @@ class SharedExpert(nn.Module):
             raise ValueError("a shared expert is MXFP4 W4A4 or FP8 block, not both")
         self.activation_quant = activation_quant
         self.fp8_round = fp8_round
-        self.local_intermediate = intermediate_size // get_tensor_model_parallel_world_size()
         self._down_wide: Linear | None = None  # float32 models: down_proj in float64, set by pack()
 
     def pack(self) -> None:
@@ -143,10 +147,9 @@ class SharedExpert(nn.Module):
             return self.fp8_round(x)
         return round_to_mxfp4(x) if self.activation_quant else x
 
-    def forward(self, x: torch.Tensor, x_rounded: torch.Tensor | None = None) -> torch.Tensor:
-        """``x: [T, D]`` -> this rank's part ``[T, D]`` in ``partial_dtype(x.dtype)`` (not yet all-reduced);
-        ``x_rounded``: ``x`` already rounded to MXFP4 (W4A4 only)."""
-        gate, up = self.gate_up_proj(x_rounded if x_rounded is not None else self._act(x)).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [T, D]`` -> this rank's part ``[T, D]`` in ``partial_dtype(x.dtype)`` (not yet all-reduced)."""
+        gate, up = self.gate_up_proj(self._act(x)).chunk(2, dim=-1)
         return self.down(self._act(swiglu_clamped(gate, up, self.swiglu_limit))).to(partial_dtype(x.dtype))
 
 
@@ -172,7 +175,6 @@ class DeepseekV4MoE(nn.Module):
         expert_parallel: bool = False,
     ):
         super().__init__()
-        tp_size = get_tensor_model_parallel_world_size()
         self.gate = Router(
             spec.hidden_size,
             spec.n_routed_experts,
@@ -197,41 +199,14 @@ class DeepseekV4MoE(nn.Module):
             spec.moe_intermediate_size,
             spec.swiglu_limit,
             tp_rank=get_tensor_model_parallel_rank(),
-            tp_size=tp_size,
+            tp_size=get_tensor_model_parallel_world_size(),
             expert_parallel=expert_parallel,
             activation_quant=routed_w4a4,
         )
 
-    def _shared_joins(self) -> bool:
-        """Whether the shared expert runs in the routed experts' pass: the same SwiGLU, rounding and width."""
-        se, ex = self.shared_experts, self.experts
-        return se.fp8_round is None and (se.activation_quant, se.local_intermediate, se.swiglu_limit) == (
-            ex.activation_quant,
-            ex.local_intermediate,
-            ex.swiglu_limit,
-        )
-
-    def pack(self) -> None:
-        """After loading: the experts' all-expert pass, with the shared expert in it where it joins."""
-        se = self.shared_experts
-        self.experts.pack_all((se.gate_up_proj, se.down_proj) if self._shared_joins() else None)
-
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """``x: [T, D]`` (the normed sub-layer input), ``input_ids: [T]`` -> ``[T, D]``."""
         weights, ids = self.gate(x, input_ids)
-        # under W4A4 both expert kinds round the same input: once
-        both = self.experts.activation_quant and self.shared_experts.activation_quant
-        x_rounded = round_to_mxfp4(x) if both else None
-        se, ex = self.shared_experts, self.experts
-        if ex.takes_all(x.shape[0]):
-            # few enough tokens and experts that computing every expert costs less than dispatching
-            out = ex.forward_all(x, weights, ids, x_rounded)
-            if not ex.all_includes_shared:
-                out = out + se(x, x_rounded)
-        elif self._shared_joins():
-            # the same SwiGLU and rounding: one pass over the routed and the shared rows (fewer small ops)
-            out = ex(x, weights, ids, x_rounded, dense=(se.gate_up_proj, se.down))
-        else:
-            out = ex(x, weights, ids, x_rounded) + se(x, x_rounded)
+        y = self.experts(x, weights, ids) + self.shared_experts(x)
         # the ranks' parts, summed in partial_dtype (float32 models: float64) and rounded once
-        return all_reduce(out).to(x.dtype)
+        return all_reduce(y).to(x.dtype)

@@ -14,9 +14,14 @@ join and shrinks as they finish, so steps cross the threshold both ways in the m
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 from engines import drafter, vllm_engine
+
+from vllm_dsv4_mtp.draft_schedule import CACHE_ONLY_ENV
 
 pytestmark = pytest.mark.engine
 
@@ -92,19 +97,23 @@ def runs(embedded_mxfp4):
         ("schedule", scheduled),
         ("schedule-whole", scheduled),
     ):
-        with vllm_engine(
-            embedded_mxfp4,
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=512,
-            max_num_seqs=4,
-            seed=0,
-            speculative_config=spec,
-            disable_log_stats=False,
-        ) as llm:
+        # what vLLM runs without the plugin's K = 0 path: the whole layer (the product's own switch)
+        whole = {CACHE_ONLY_ENV: "0"} if name == "schedule-whole" else {}
+        with (
+            mock.patch.dict(os.environ, whole),
+            vllm_engine(
+                embedded_mxfp4,
+                dtype="float32",
+                enforce_eager=True,
+                max_model_len=512,
+                max_num_seqs=4,
+                seed=0,
+                speculative_config=spec,
+                disable_log_stats=False,
+            ) as llm,
+        ):
             log = DraftLog(llm) if spec else None
-            if name == "schedule-whole":  # what vLLM runs without the plugin's K = 0 path: the whole layer
-                drafter(llm).step_k.lookup = None
+            assert spec is None or (drafter(llm).step_k.lookup is None) == (name != "schedule")
             outs = llm.generate(_prompts(), _params(), use_tqdm=False)
             if log:
                 log.close()

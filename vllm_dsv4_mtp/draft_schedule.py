@@ -16,13 +16,30 @@ Model Runner V1 and V2 alike), read at forward time from the step's attention me
 afterwards: a step that asks for logits was not a K = 0 step, and :meth:`StepK.logits_asked` then fails loudly,
 naming the counts, instead of sampling from a state that was never computed. Under data parallelism vLLM clears
 the schedule before the workers start (static K, vllm#45963); the draft then sees no schedule and always runs whole.
+
+``VLLM_DSV4_MTP_K0_CACHE_ONLY=0`` makes the draft run its whole layer at K = 0 too, as vLLM would without the
+plugin: the A/B of what the cache-only step buys (docs/benchmarks.md), and a way out should the check above fire.
 """
 
 from __future__ import annotations
 
+import os
+
 from vllm.logger import init_logger
 
 logger = init_logger("vllm.dsv4_mtp.schedule")
+
+#: "0": at K = 0 the draft runs its whole layer (vLLM's own behaviour); "1" (the default): its cache write only
+CACHE_ONLY_ENV = "VLLM_DSV4_MTP_K0_CACHE_ONLY"
+
+
+def cache_only_enabled() -> bool:
+    value = os.environ.get(CACHE_ONLY_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"{CACHE_ONLY_ENV}={value!r}: expected 1 (K = 0 steps write the cache only) or 0 (whole layer)"
+        )
+    return value == "1"
 
 
 def describe(schedule) -> str:
@@ -42,14 +59,19 @@ class StepK:
         self.lookup: list[int] | None = None
         self.last_cache_only: tuple[int, int] | None = None  # (num_reqs, K) of the last forward, if cache-only
         if schedule:
-            self.lookup = build_dynamic_sd_schedule_lookup(
-                schedule, vllm_config.scheduler_config.max_num_seqs, spec.num_speculative_tokens
-            )
+            cache_only = cache_only_enabled()
+            if cache_only:
+                self.lookup = build_dynamic_sd_schedule_lookup(
+                    schedule, vllm_config.scheduler_config.max_num_seqs, spec.num_speculative_tokens
+                )
             logger.info(
                 "vllm-dsv4-mtp: MTP K schedule (num_speculative_tokens_per_batch_size): %s, at most K=%d; at K=0 "
-                "the draft writes its attention cache only",
+                "the draft %s",
                 describe(schedule),
                 spec.num_speculative_tokens,
+                "writes its attention cache only"
+                if cache_only
+                else f"runs its whole layer ({CACHE_ONLY_ENV}=0, as vLLM would without the plugin)",
             )
 
     def k(self, num_reqs: int | None) -> int | None:

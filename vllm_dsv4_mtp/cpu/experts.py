@@ -28,7 +28,7 @@ import torch
 from vllm_dsv4_mtp.cpu.linear import Linear, dispatched_linear, slice_linears
 
 # The all-experts way while its GEMMs cost at most this many multiply-adds: ~85 tokens of the embedded model's
-# MoE (8 experts of 128 x 128), short of where it stops beating the grouped way (docs/benchmarks.md).
+# MoE (8 experts of 128 x 128), short of where the grouped way was measured to overtake it (docs/benchmarks.md).
 ALL_EXPERTS_MACS = 1 << 25
 
 
@@ -70,9 +70,10 @@ class PackedExperts:
         [T, k]`` global expert ids, ``act: [A, 2 I] -> [A, I]`` -> this rank's part of the routed sum ``[T, D]``
         in ``out_dtype``."""
         t = ids.shape[0]
+        local = ids - self.first if self.first else ids  # read only below
         if self.all is not None and t > 0 and all_experts_pay(t, self.n, self.i, x.shape[-1]):
-            return self._all_experts(x, weights, ids - self.first, act)
-        return self._grouped(x, weights, ids - self.first, act)
+            return self._all_experts(x, weights, local, act)
+        return self._grouped(x, weights, local, act)
 
     def _grouped(
         self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]

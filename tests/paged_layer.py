@@ -2,7 +2,7 @@
 
 :class:`PagedSequences` binds a NaN-filled cache (a read of a row no step wrote would poison the output; ``fill``
 another value, for code that multiplies such rows by zero, as vLLM's CPU attention kernel does),
-hands out shuffled blocks, and for each step builds the :class:`PortableAttentionMetadata` of a batch of
+hands out shuffled blocks, and for each step builds the backend's metadata (``attention/metadata.py``) of a batch of
 sequences (each with its new tokens), runs the layer over the whole batch at once and returns each sequence's
 outputs. ``rewind`` drops a sequence's last rows from its length (rejected speculative drafts): their rows stay
 in the cache beyond ``seq_len``, as in vLLM.
@@ -13,14 +13,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
+from vllm_dsv4_mtp.attention.backend import step_plan
+from vllm_dsv4_mtp.attention.metadata import build_step
 
 
 class PagedSequences:
     def __init__(self, layer, *, block_size: int = 16, num_blocks: int = 96, seed: int = 0, fill: float = float("nan")):
         self.layer = layer
         self.bs = block_size
-        layer.cache.kv_cache = torch.full((num_blocks, 1, block_size, layer.cache.cache_width), fill)
+        layer.sparse_attn.bind_kv_cache(torch.full((num_blocks, 1, block_size, layer.sparse_attn.cache_width), fill))
+        self.plan = step_plan([layer.sparse_attn])
         self.free = list(np.random.RandomState(seed).permutation(num_blocks))
         self.blocks: dict[object, list[int]] = {}
         self.length: dict[object, int] = {}
@@ -44,14 +46,14 @@ class PagedSequences:
             self.length[seq] = end
         width = max(len(self.blocks[s]) for s, _ in batch)
         table = np.array([self.blocks[s] + [0] * (width - len(self.blocks[s])) for s, _ in batch])
-        md = PortableAttentionMetadata.create(
+        md = build_step(
+            self.plan,
             query_start_loc=np.array(qsl),
             seq_lens=np.array(seq_lens),
             block_table=table,
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             num_actual_tokens=len(slots),
             block_size=self.bs,
-            device=torch.device("cpu"),
         )
         with torch.no_grad():
             out = self.layer.forward_paged(md, torch.tensor(positions), torch.cat([x for _, x in batch]))

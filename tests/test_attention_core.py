@@ -1,10 +1,10 @@
-"""The portable attention core: platform choice, row widths, and the step's paged addressing.
+"""The attention backend: platform choice, row widths, and the step's paged addressing.
 
-The addressing tests build :class:`PortableAttentionMetadata` the way vLLM's runner would for a batch mixing a
-chunked-prefill continuation, a fresh prefill, a decode, a 3-token speculative verify and a padding request
-(plus a padding token), over a shuffled block table, write identifiable rows through :class:`PagedRowCache`,
-and check that every query addresses exactly the rows of its own sequence it may see: the window, the rows
-holding compressed entries (the completing token of each complete block), and, for the blocks the step
+The addressing tests build the step's metadata (``attention/metadata.py``) the way vLLM's runner would for a
+batch mixing a chunked-prefill continuation, a fresh prefill, a decode, a 3-token speculative verify and a
+padding request (plus a padding token), over a shuffled block table, write identifiable rows through the layer,
+and check that every query's ``topk_idxs`` address exactly the rows of its own sequence it may see: the window,
+the rows holding compressed entries (the completing token of each complete block), and, for the blocks the step
 completes, the rows they pool; rows beyond ``seq_len`` (rejected drafts) are never addressed.
 """
 
@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dsv4_mtp.model import paged_rows as ac
-from vllm_dsv4_mtp.model.attention_metadata import SEGMENT, PortableAttentionMetadata
+from vllm_dsv4_mtp.attention import rows as ac
+from vllm_dsv4_mtp.attention.backend import DeepseekV4SparseAttention
+from vllm_dsv4_mtp.attention.metadata import SEGMENT, StepPlan, build_step
 
 
 def test_platform_choice():
@@ -58,11 +59,14 @@ def _vllm_config(block_size, dtype=torch.float32, ctx=None):
     )
 
 
+def _layer(vc, **kw):
+    args = dict(prefix="model.layers.0.attn", num_heads=1, head_dim=4, window=5, compress_ratio=0, row_width=6)
+    return DeepseekV4SparseAttention(vc, **{**args, "cache_width": 8, **kw})
+
+
 def _core(cache_width=8, block_size=4, num_blocks=12):
     vc = _vllm_config(block_size)
-    core = ac.PagedRowCache(
-        row_width=6, cache_width=cache_width, piece_width=4, prefix="model.layers.0.attn", vllm_config=vc
-    )
+    core = _layer(vc, cache_width=cache_width)
     assert vc.compilation_config.static_forward_context["model.layers.0.attn"] is core
     spec = core.get_kv_cache_spec(vc)
     assert (spec.num_kv_heads, spec.head_size, spec.head_size_v, spec.block_size) == (1, cache_width, 0, block_size)
@@ -75,13 +79,14 @@ def _row(req, pos, version=0.0):
 
 
 class _Steps:
-    """Drives one core through steps of a batch; rows carry (request, position, version)."""
+    """Drives one layer through steps of a batch; rows carry (request, position, version)."""
 
     bs = 4
     tables = {0: [7, 2, 9], 1: [4, 11], 2: [0, 5, 3], 3: [10, 1, 6, 8]}  # request -> shuffled blocks
 
-    def __init__(self):
+    def __init__(self, window=5, ratios=(3, 4)):
         self.core = _core()
+        self.plan = StepPlan(window=window, head_dim=4, pieces=2, ratios=ratios)
         self.written = {r: 0 for r in self.tables}
 
     def step(self, batch, version=0.0):
@@ -98,16 +103,16 @@ class _Steps:
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
         slots.append(-1)  # a padded token slot
-        md = PortableAttentionMetadata.create(
+        md = build_step(
+            self.plan,
             query_start_loc=np.array(qsl),
             seq_lens=np.array(seq_lens),
             block_table=np.array(tab),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             num_actual_tokens=len(slots),
             block_size=self.bs,
-            device=torch.device("cpu"),
         )
-        self.core.write(md, torch.stack(rows + [torch.full((6,), 99.0)]))
+        self.core.write(md, md.positions, torch.stack(rows + [torch.full((6,), 99.0)]))
         for req, n in batch:
             if req is not None:
                 self.written[req] += n
@@ -115,22 +120,16 @@ class _Steps:
 
     def seen(self, slots, masked=None):
         """(request, position, version) of the rows at ``slots`` not masked, in order."""
-        rows = self.core.gather(slots, 0, 6)
+        rows = self.core.rows.gather(slots, 0, 6)
         keep = torch.ones(slots.shape, dtype=torch.bool) if masked is None else ~masked
         return [(int(r[0]), int(r[1]), float(r[3])) for r in rows[keep]]
 
-
-def _queries(md, owner):
-    """(token, request, position, segment, offset) of every real token, through the segment layout."""
-    s = md.seg_len
-    out_idx = torch.arange(md.num_tokens) if md.output_index is None else md.output_index
-    q_idx = torch.arange(md.num_segments * s) if md.query_index is None else md.query_index
-    res = []
-    for t in range(md.num_tokens):
-        g, o = divmod(int(out_idx[t]), s)
-        assert int(q_idx[g * s + o]) == t  # gathering into segments and back is the identity
-        res.append((t, owner[t], int(md.positions[t]), g, o))
-    return res
+    def seen_pieces(self, idx, piece):
+        """(request, position, version) of the rows whose piece ``piece`` is at ``idx [K]`` (-1 left out)."""
+        slots = torch.tensor([b * self.bs + o for b in range(12) for o in range(self.bs)])
+        where = ac.piece_index(slots, piece, 1, pieces=2, block_size=self.bs).squeeze(-1).tolist()
+        slot_of = dict(zip(where, slots.tolist()))
+        return self.seen(torch.tensor([slot_of[i] for i in idx.tolist() if i >= 0], dtype=torch.int64))
 
 
 def test_addressing_of_a_mixed_batch():
@@ -139,31 +138,36 @@ def test_addressing_of_a_mixed_batch():
     md, owner = st.step([(0, 5), (2, 9), (1, 1), (None, 0)])  # chunk continuation, prefill, decode, padding
     assert md.num_tokens == 15 and md.num_actual_tokens == 16
     assert md.positions.tolist() == list(range(6, 11)) + list(range(9)) + [3]
-    assert md.seg_len == min(9, SEGMENT) and md.num_segments == 3
     # the padded token is not stored; the real ones are, at their slots
     assert st.seen(torch.tensor([7 * 4 + 2, 2 * 4 + 2, 9 * 4 + 2])) == [(0, 2, 0.0), (0, 6, 0.0), (0, 10, 0.0)]
-    win, w = md.window(5), 5
+    for t, (req, p) in enumerate(zip(owner, md.positions.tolist())):
+        assert st.seen_pieces(md.window_idxs[t], 0) == [(req, k, 0.0) for k in range(max(0, p - 4), p + 1)]
+        want = [(req, 3 * j + 2, 0.0) for j in range((p + 1) // 3)]
+        assert st.seen_pieces(md.entry_idxs[3][t], 1) == want
     for ratio in (4, 3):
-        ent = md.entries(ratio)
-        for _t, req, p, g, o in _queries(md, owner):
-            assert st.seen(win.slots[g], win.masked[g, o]) == [(req, k, 0.0) for k in range(max(0, p - w + 1), p + 1)]
-            want = [(req, ratio * j + ratio - 1, 0.0) for j in range((p + 1) // ratio)]
-            assert st.seen(ent.slots[g], ent.masked[g, o]) == want
-            assert int(ent.limit[g, o, 0]) == len(want)
-        done = md.completions(ratio, 2 * ratio)
-        ends = [(req, p) for _, req, p, _, _ in _queries(md, owner) if p % ratio == ratio - 1]
+        done = md.completions[ratio]
+        ends = [(req, p) for req, p in zip(owner, md.positions.tolist()) if p % ratio == ratio - 1]
+        span = 2 * ratio if ratio == 4 else ratio
         assert len(done.dst) == len(ends)
         for m, (req, p) in enumerate(ends):
             assert st.seen(done.dst[m : m + 1]) == [(req, p, 0.0)]
             assert st.seen(done.row_slots[m], ~done.row_valid[m, :, 0]) == [
-                (req, k, 0.0) for k in range(max(0, p - 2 * ratio + 1), p + 1)
+                (req, k, 0.0) for k in range(max(0, p - span + 1), p + 1)
             ]
             assert int(done.block_pos[m]) == p - ratio + 1
-    assert md.completions(16, 16) is None  # no token of this step closes a block of 16
+    # C4: each segment's candidate entries, through the segment layout and back
+    seg = md.indexer
+    s = seg.masked.shape[1]
+    assert s == min(9, SEGMENT) and seg.masked.shape[0] == 3
+    for t, (req, p) in enumerate(zip(owner, md.positions.tolist())):
+        g, o = divmod(int(seg.output_index[t]), s)
+        assert int(seg.query_index[g * s + o]) == t
+        want = [(req, 4 * j + 3, 0.0) for j in range((p + 1) // 4)]
+        assert st.seen(seg.slots[g], seg.masked[g, o]) == want and int(seg.limit[g, o, 0]) == len(want)
 
 
 def test_rows_of_rejected_drafts_are_never_addressed():
-    st = _Steps()
+    st = _Steps(window=64, ratios=(2, 3, 4))
     st.step([(0, 6), (1, 3)])
     st.step([(0, 5), (2, 9), (1, 1)])
     # speculative verify: 1 + 2 drafts at positions 4, 5, 6 (the draft at 6 closes a block of 7 and of 3 and
@@ -172,52 +176,34 @@ def test_rows_of_rejected_drafts_are_never_addressed():
     st.step([(1, 3)], version=7.0)
     st.written[1] -= 2
     md, owner = st.step([(1, 1), (3, 13)], version=9.0)
-    assert md.seg_len == 13
-    for ratio in (4, 3, 2):
-        ent = md.entries(ratio)
-        win = md.window(64)
-        for _t, req, p, g, o in _queries(md, owner):
-            seen = st.seen(win.slots[g], win.masked[g, o]) + st.seen(ent.slots[g], ent.masked[g, o])
-            assert all(k <= p for _, k, _ in seen)
+    for t, (req, p) in enumerate(zip(owner, md.positions.tolist())):
+        for ratio in (2, 3):
+            seen = st.seen_pieces(md.window_idxs[t], 0) + st.seen_pieces(md.entry_idxs[ratio][t], 1)
+            assert all(k <= p for _, k, _ in seen) and {r for r, _, _ in seen} <= {req}
             if req == 1:
                 assert (1, 6, 7.0) not in seen and (1, 5, 9.0) in seen and (1, 4, 7.0) in seen
-            # every addressed row, masked or not, belongs to the query's own sequence (finite, written rows)
-            assert {r for r, _, _ in st.seen(win.slots[g]) + st.seen(ent.slots[g])} == {req}
     # the corrected position 5 closes a block of 2: pooled from the accepted rows only
-    done = md.completions(2, 4)
-    assert st.seen(done.row_slots[0], ~done.row_valid[0, :, 0]) == [(1, 2, 0.0), (1, 3, 0.0), (1, 4, 7.0), (1, 5, 9.0)]
+    done = md.completions[2]
+    assert st.seen(done.row_slots[0], ~done.row_valid[0, :, 0]) == [(1, 4, 7.0), (1, 5, 9.0)]
 
 
 def test_decode_and_verify_steps_use_the_identity_layout():
     st = _Steps()
     st.step([(0, 6), (1, 3), (2, 2)])
-    md, owner = st.step([(0, 1), (1, 1), (None, 0), (2, 1)])
-    assert md.seg_len == 1 and md.num_segments == 3
-    assert md.query_index is None and md.output_index is None
+    md, _ = st.step([(0, 1), (1, 1), (None, 0), (2, 1)])
+    assert md.indexer.masked.shape[:2] == (3, 1) and md.indexer.query_index is None
     assert md.positions.tolist() == [6, 3, 2]
-    md, owner = st.step([(0, 3), (1, 3), (2, 3)])  # verify windows of K + 1 = 3 tokens each
-    assert md.seg_len == 3 and md.num_segments == 3 and md.query_index is None and md.output_index is None
-    assert [q[1:] for q in _queries(md, owner)] == [
-        (r, p, g, o) for g, (r, p0) in enumerate(((0, 7), (1, 4), (2, 3))) for o, p in enumerate(range(p0, p0 + 3))
-    ]
+    md, _ = st.step([(0, 3), (1, 3), (2, 3)])  # verify windows of K + 1 = 3 tokens each
+    assert md.indexer.masked.shape[:2] == (3, 3) and md.indexer.output_index is None
 
 
 def test_positions_must_match_the_addressing():
     st = _Steps()
-    md, _ = st.step([(0, 6)])
-    md.check_positions(torch.arange(6))
-    md2, _ = st.step([(0, 2)])
+    st.step([(0, 6)])
+    md, _ = st.step([(0, 2)])
     with pytest.raises(ValueError, match="positions differ from seq_lens - query_lens") as e:
-        md2.check_positions(torch.tensor([6, 8]))
-    assert str(e.value).endswith("token 1 (request 0) is at position 8, its seq_len and query_len put it at 7")
-
-
-def test_segment_groups_bound_the_intermediates():
-    st = _Steps()
-    md, _ = st.step([(3, 13), (0, 6), (1, 3)])
-    assert md.segment_groups(10, 1000) == [(0, md.num_segments)]
-    assert md.segment_groups(400, 1000) == [(0, 2), (2, 3)]
-    assert md.segment_groups(10_000, 1000) == [(0, 1), (1, 2), (2, 3)]  # at least one segment per group
+        st.core.write(md, torch.tensor([6, 8]), torch.zeros(3, 6))
+    assert str(e.value).endswith("token 1 is at 8, addressed at 7")
 
 
 def test_row_channels_round_trip_through_the_piece_major_blocks():
@@ -225,23 +211,22 @@ def test_row_channels_round_trip_through_the_piece_major_blocks():
     channels of the same slot; piece 0 of a block's rows is one contiguous run (what the window gathers read)."""
     st = _Steps()
     st.step([(0, 6), (1, 3), (3, 13)])
-    core, bs = st.core, st.bs
+    rows_, bs = st.core.rows, st.bs
     slots = torch.tensor([[7 * bs + 1, 2 * bs + 1], [4 * bs + 2, 10 * bs + 3]])  # request 0 pos 1 / 5, 1 pos 2, 3 pos 3
     want = [(0, 1), (0, 5), (1, 2), (3, 3)]
-    rows = core.gather(slots, 0, 6).view(4, 6)
+    rows = rows_.gather(slots, 0, 6).view(4, 6)
     assert [(int(r[0]), int(r[1])) for r in rows] == want
     assert torch.equal(rows[:, 2], torch.tensor([1000.0 * r + p for r, p in want]))
     # channels 3..5 span the two 4-wide pieces
-    core.put(slots.reshape(-1), 3, torch.tensor([[-1.0, -2.0, -3.0]] * 4))
-    assert torch.equal(core.gather(slots, 2, 4).view(4, 4)[:, 1:], torch.tensor([[-1.0, -2.0, -3.0]] * 4))
-    assert torch.equal(core.gather(slots, 0, 3).view(4, 3), rows[:, :3])  # neighbours untouched
-    for start in (0, 4):
-        assert torch.equal(core.gather_pieces(core.piece_index(slots, start)), core.gather(slots, start, 4))
-    with pytest.raises(ValueError, match="channel 2 does not start a 4-wide piece"):
-        core.piece_index(slots, 2)
+    rows_.put(slots.reshape(-1), 3, torch.tensor([[-1.0, -2.0, -3.0]] * 4))
+    assert torch.equal(rows_.gather(slots, 2, 4).view(4, 4)[:, 1:], torch.tensor([[-1.0, -2.0, -3.0]] * 4))
+    assert torch.equal(rows_.gather(slots, 0, 3).view(4, 3), rows[:, :3])  # neighbours untouched
+    for piece in (0, 1):
+        idx = ac.piece_index(slots, piece, 1, pieces=2, block_size=bs).squeeze(-1)
+        assert torch.equal(rows_.table[idx], rows_.gather(slots, 4 * piece, 4))
     with pytest.raises(ValueError, match="channels 6..10 are outside the 8-wide cache rows"):
-        core.gather(slots, 6, 4)
-    block7 = core.kv_cache[7, 0].reshape(-1)  # request 0's first block, positions 0..3
+        rows_.gather(slots, 6, 4)
+    block7 = st.core.kv_cache[7, 0].reshape(-1)  # request 0's first block, positions 0..3
     assert torch.equal(block7[: 4 * 4].view(4, 4)[:, :2], torch.tensor([[0.0, p] for p in range(4)]))
 
 
@@ -249,14 +234,14 @@ def test_kv_cache_dtype_other_than_model_dtype_is_refused():
     vc = _vllm_config(16, dtype=torch.bfloat16)
     vc.cache_config.cache_dtype = "fp8"
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported by the portable DeepSeek-V4"):
-        ac.PagedRowCache(row_width=6, cache_width=8, piece_width=4, prefix="model.layers.0.attn", vllm_config=vc)
+        _layer(vc)
 
 
 def test_duplicate_layer_name_is_refused():
     core = _core()
     vc = _vllm_config(4, ctx={"model.layers.0.attn": core})
     with pytest.raises(ValueError, match="Duplicate attention layer name 'model.layers.0.attn'"):
-        ac.PagedRowCache(row_width=6, cache_width=8, piece_width=4, prefix="model.layers.0.attn", vllm_config=vc)
+        _layer(vc)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

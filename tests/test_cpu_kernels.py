@@ -1,5 +1,5 @@
-"""The plugin's compiled CPU loops (``cpu/compiled.py``): the sink attention (``cpu/sink_loop.py``)
-against the float32 reference, the W4A4 rounding (``cpu/mxfp4_round.py``) against ``mxfp4.fake_quant`` bit for
+"""The plugin's compiled CPU loops (``cpu/compiled.py``): ``sparse_attn`` (``cpu/sparse_attn.py``) against
+torch's float32 reference, the W4A4 rounding (``cpu/mxfp4_round.py``) against ``mxfp4.fake_quant`` bit for
 bit, and their build."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from vllm_dsv4_mtp.cpu import compiled as cpu_kernels
-from vllm_dsv4_mtp.cpu import mxfp4_round, sink_loop
+from vllm_dsv4_mtp.cpu import mxfp4_round
 from vllm_dsv4_mtp.cpu.kit import KIT, round_to_mxfp4
+from vllm_dsv4_mtp.cpu.sparse_attn import sparse_attn_compiled, sparse_attn_reference
 from vllm_dsv4_mtp.formats import mxfp4
-from vllm_dsv4_mtp.model.sink_attention import sink_attention_reference
 
 CPU = torch.device("cpu")
 
@@ -28,16 +28,31 @@ def _case(dtype, b, s, h, d, n_shared, k, seed, p_masked=0.3, n_rows=500):
     return pieces, q, shared, masked, own, own_masked, sink
 
 
+def _contract(q, shared, masked, own, own_masked):
+    """Segments ``q [B, S, H, d]`` with shared keys and own picks -> DeepSeek's ``q [T, H, d]``, ``topk_idxs [T, K]``
+    (-1 = masked)."""
+    b, s, h, d = q.shape
+    idx = shared[:, None, :].expand(b, s, -1).masked_fill(masked, -1)
+    if own is not None:
+        idx = torch.cat([idx, own.masked_fill(own_masked, -1)], dim=-1)
+    return q.reshape(b * s, h, d), idx.reshape(b * s, -1)
+
+
+def attend_rows(q, pieces, shared, masked, own, own_masked, sink, scale):
+    qq, idx = _contract(q, shared, masked, own, own_masked)
+    return sparse_attn_compiled(qq, pieces, sink, idx, scale).view(q.shape)
+
+
 def _reference(pieces, q, shared, masked, own, own_masked, sink, scale):
-    parts = [(pieces[shared], masked)] + ([] if own is None else [(pieces[own], own_masked)])
-    return sink_attention_reference(q.float(), [(k.float(), m) for k, m in parts], sink, scale)
+    qq, idx = _contract(q.float(), shared, masked, own, own_masked)
+    return sparse_attn_reference(qq, pieces.float(), sink, idx, scale).view(q.shape)
 
 
 def test_the_loops_build_and_pass_their_probes_here():
     """This machine has a C compiler (the project's set-up needs one): every loop builds, the build is cached (a
     second build is the same file), the portable attention's short segments take the kernel in float32 and
     bfloat16, and the MoE's W4A4 rounding takes its loop."""
-    assert cpu_kernels.NAMES == ("mxfp4_round", "sink_attention")
+    assert cpu_kernels.NAMES == ("mxfp4_round", "sparse_attn")
     for name in cpu_kernels.NAMES:  # raises, naming the compiler's problem, where there is none or it fails
         path = cpu_kernels.build(name)
         assert path.exists() and cpu_kernels.build(name) == path
@@ -59,7 +74,7 @@ def test_the_loops_build_and_pass_their_probes_here():
 def test_kernel_equals_the_float32_reference(b, s, h, d, n_shared, k):
     """float32 rows: the reference's function within float32 rounding (1e-5 here, on outputs of order 1)."""
     pieces, q, shared, masked, own, own_masked, sink = _case(torch.float32, b, s, h, d, n_shared, k, seed=b + s)
-    got = sink_loop.attend_rows(q, pieces, shared, masked, own, own_masked, sink, d**-0.5)
+    got = attend_rows(q, pieces, shared, masked, own, own_masked, sink, d**-0.5)
     want = _reference(pieces, q, shared, masked, own, own_masked, sink, d**-0.5)
     assert want.abs().max() > 0.3
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
@@ -71,7 +86,7 @@ def test_kernel_rounds_bfloat16_once(b, s, k):
     bfloat16 step (2^-8 relative) of the float32 reference (torch's flash kernel also rounds the probabilities
     to bfloat16 before the value product, which this bound does not allow)."""
     pieces, q, shared, masked, own, own_masked, sink = _case(torch.bfloat16, b, s, 4, 128, 144, k, seed=7 + s)
-    got = sink_loop.attend_rows(q, pieces, shared, masked, own, own_masked, sink, 128**-0.5)
+    got = attend_rows(q, pieces, shared, masked, own, own_masked, sink, 128**-0.5)
     want = _reference(pieces, q, shared, masked, own, own_masked, sink, 128**-0.5)
     assert got.dtype == torch.bfloat16 and want.abs().max() > 0.3
     assert ((got.float() - want).abs() <= want.abs() * 2**-8 * 1.001 + 1e-6).all()
@@ -83,14 +98,14 @@ def test_queries_that_see_no_key_get_zero_and_masked_keys_do_not_count():
     pieces, q, shared, masked, own, own_masked, sink = _case(torch.float32, 3, 2, 4, 64, 20, 5, seed=3)
     masked[1, 0] = True
     own_masked[1, 0] = True
-    got = sink_loop.attend_rows(q, pieces, shared, masked, own, own_masked, sink, 0.125)
+    got = attend_rows(q, pieces, shared, masked, own, own_masked, sink, 0.125)
     assert torch.equal(got[1, 0], torch.zeros_like(got[1, 0])) and got[1, 1].abs().max() > 0
     # overwrite the rows that only masked keys point at (a row one query may not see, another may)
     seen = set(shared[~masked.all(dim=1)].tolist()) | set(own[~own_masked].tolist())
     hidden_only = [r for r in set(shared.flatten().tolist()) | set(own.flatten().tolist()) if r not in seen]
     assert hidden_only
     pieces[hidden_only] = 1e4
-    again = sink_loop.attend_rows(q, pieces, shared, masked, own, own_masked, sink, 0.125)
+    again = attend_rows(q, pieces, shared, masked, own, own_masked, sink, 0.125)
     torch.testing.assert_close(again, got, atol=0, rtol=0)
 
 
@@ -100,45 +115,40 @@ def test_extreme_scores_and_nan():
     pieces, q, shared, masked, own, own_masked, sink = _case(torch.float32, 2, 1, 2, 32, 12, 0, seed=9, p_masked=0.0)
     for factor in (400.0, -400.0):
         qq = q * factor
-        got = sink_loop.attend_rows(qq, pieces, shared, masked, None, None, sink, 1.0)
+        got = attend_rows(qq, pieces, shared, masked, None, None, sink, 1.0)
         want = _reference(pieces, qq, shared, masked, None, None, sink, 1.0)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     q[0, 0, 1, 3] = float("nan")
-    got = sink_loop.attend_rows(q, pieces, shared, masked, None, None, sink, 1.0)
+    got = attend_rows(q, pieces, shared, masked, None, None, sink, 1.0)
     assert got[0, 0, 1].isnan().all() and torch.isfinite(got[0, 0, 0]).all() and torch.isfinite(got[1]).all()
 
 
 def test_strided_queries_are_read_in_place():
     """Query rows ``H + 1`` heads apart (the layer's queries are a view of queries and latent side by side)."""
     pieces, q, shared, masked, own, own_masked, sink = _case(torch.float32, 4, 3, 4, 64, 30, 4, seed=12)
-    wide = torch.cat([q, torch.full_like(q[:, :, :1], float("nan"))], dim=2)[:, :, :4]
-    assert wide.stride(1) == 5 * 64
-    got = sink_loop.attend_rows(wide, pieces, shared, masked, own, own_masked, sink, 0.125)
-    torch.testing.assert_close(
-        got, sink_loop.attend_rows(q, pieces, shared, masked, own, own_masked, sink, 0.125), atol=0, rtol=0
-    )
+    q, idx = _contract(q, shared, masked, own, own_masked)
+    wide = torch.cat([q, torch.full_like(q[:, :1], float("nan"))], dim=1)[:, :4]
+    assert wide.stride(0) == 5 * 64
+    got = sparse_attn_compiled(wide, pieces, sink, idx, 0.125)
+    torch.testing.assert_close(got, sparse_attn_compiled(q, pieces, sink, idx, 0.125), atol=0, rtol=0)
 
 
 def test_bad_calls_are_errors_not_reads_out_of_bounds():
-    """An index outside the piece table, mismatched shapes or dtypes (int32 indices, float masks, too few sink
-    logits: the C would read past them) are errors naming the problem."""
+    """An index outside kv (or below -1), mismatched shapes or dtypes (int32 indices, too few sink logits: the C
+    would read past them) are errors naming the problem."""
     pieces, q, shared, masked, own, own_masked, sink = _case(torch.float32, 2, 1, 4, 64, 10, 3, seed=1)
-    bad = shared.clone()
-    bad[1, 4] = pieces.shape[0]
-    with pytest.raises(cpu_kernels.KernelError, match="outside the cache's piece table"):
-        sink_loop.attend_rows(q, pieces, bad, masked, own, own_masked, sink, 0.125)
-    with pytest.raises(cpu_kernels.KernelError, match="outside the cache's piece table"):
-        sink_loop.attend_rows(q, pieces, shared, masked, own - 10_000, own_masked, sink, 0.125)
-    with pytest.raises(ValueError, match="shared keys"):
-        sink_loop.attend_rows(q, pieces, shared, masked[:, :, :5], own, own_masked, sink, 0.125)
-    with pytest.raises(ValueError, match="own keys"):
-        sink_loop.attend_rows(q, pieces, shared, masked, own[:, :, :2], own_masked, sink, 0.125)
-    with pytest.raises(ValueError, match="piece table"):
-        sink_loop.attend_rows(q.bfloat16(), pieces, shared, masked, own, own_masked, sink, 0.125)
-    for bad in ((shared.int(), masked, sink), (shared, masked.float(), sink), (shared, masked, sink[:2])):
-        with pytest.raises(ValueError, match="int64 indices, bool masks and 4 sink logits"):
-            sink_loop.attend_rows(q, pieces, bad[0], bad[1], own, own_masked, bad[2], 0.125)
+    q, idx = _contract(q, shared, masked, own, own_masked)
+    for wrong in (pieces.shape[0], -2):
+        bad = idx.clone()
+        bad[1, 4] = wrong
+        with pytest.raises(cpu_kernels.KernelError, match="an index outside kv"):
+            sparse_attn_compiled(q, pieces, sink, bad, 0.125)
+    with pytest.raises(ValueError, match="against a"):
+        sparse_attn_compiled(q.bfloat16(), pieces, sink, idx, 0.125)
+    for bad_idx, bad_sink in ((idx.int(), sink), (idx[:1], sink), (idx, sink[:2])):
+        with pytest.raises(ValueError, match="int64 topk_idxs"):
+            sparse_attn_compiled(q, pieces, bad_sink, bad_idx, 0.125)
 
 
 def test_without_a_compiler_the_build_says_so(monkeypatch, tmp_path):
@@ -147,7 +157,7 @@ def test_without_a_compiler_the_build_says_so(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler-here")
     with pytest.raises(OSError, match="no C compiler"):
-        cpu_kernels.build("sink_attention")
+        cpu_kernels.build("sparse_attn")
     cpu_kernels.library.cache_clear()
     try:
         assert cpu_kernels.library("mxfp4_round") is None
@@ -155,7 +165,7 @@ def test_without_a_compiler_the_build_says_so(monkeypatch, tmp_path):
         cpu_kernels.library.cache_clear()
     monkeypatch.setenv("CC", "false")
     with pytest.raises(Exception) as e:
-        cpu_kernels.build("sink_attention")
+        cpu_kernels.build("sparse_attn")
     assert "false" in str(e.value) or getattr(e.value, "returncode", 0)
     assert not list(tmp_path.rglob("*.so"))
 

@@ -99,7 +99,7 @@ def test_every_reference_in_the_architecture_page_exists():
     "ref",
     [
         "`vllm_dsv4_mtp/registration.py:register_everything`",  # a function the module does not define
-        "`vllm_dsv4_mtp/model/paged_rows.py:PagedRowCache.read_row`",  # a method the class does not define
+        "`vllm_dsv4_mtp/attention/backend.py:DeepseekV4SparseAttention.read_row`",  # a method the class does not define
         "`vllm_dsv4_mtp/registration.py:DRAFT_ARCH.lower`",  # a name that is not a class
         "`vllm/v1/spec_decode/eagle.py:EagleProposer.propose`",  # inherited: defined in llm_base_proposer.py
         "`vllm/v1/spec_decode/mtp_proposer.py:MtpProposer`",  # no such vLLM file
@@ -114,7 +114,7 @@ def test_a_made_up_reference_is_caught(ref):
 def test_real_references_of_each_kind_pass():
     for ref in [
         "`vllm_dsv4_mtp/registration.py:register_models`",  # function
-        "`vllm_dsv4_mtp/model/paged_rows.py:PagedRowCache.write`",  # method
+        "`vllm_dsv4_mtp/attention/backend.py:DeepseekV4SparseAttention.write`",  # method
         "`vllm_dsv4_mtp/registration.py:DRAFT_ARCH`",  # module-level name
         "`vllm/v1/spec_decode/llm_base_proposer.py:SpecDecodeBaseProposer.propose`",
     ]:  # vLLM's

@@ -116,7 +116,23 @@ def test_model_code_asks_the_cpu_kit_and_probes_nothing_itself():
     assert not {f: m for f, m in found.items() if m}, found
     graph = _imports()
     kit_users = sorted(m for m, deps in graph.items() if "vllm_dsv4_mtp.cpu.kit" in deps)
-    assert "vllm_dsv4_mtp.model.attention" in kit_users and "vllm_dsv4_mtp.model.norm" in kit_users, kit_users
+    assert "vllm_dsv4_mtp.attention.backend" in kit_users and "vllm_dsv4_mtp.model.norm" in kit_users, kit_users
+
+
+def test_the_kit_and_the_attention_backend_sit_below_the_model():
+    """``cpu/`` imports neither ``model/`` nor the attention backend; the backend does not import ``model/``."""
+    graph = _imports()
+    up = {
+        m: sorted(d for d in deps if d.startswith(("vllm_dsv4_mtp.model", "vllm_dsv4_mtp.attention")))
+        for m, deps in graph.items()
+        if m.startswith("vllm_dsv4_mtp.cpu")
+    }
+    up |= {
+        m: sorted(d for d in deps if d.startswith("vllm_dsv4_mtp.model"))
+        for m, deps in graph.items()
+        if m.startswith("vllm_dsv4_mtp.attention")
+    }
+    assert not {m: d for m, d in up.items() if d}, up
 
 
 # Limits in lines as ruff formats them: a call past 120 columns takes one line per argument, so the same code is

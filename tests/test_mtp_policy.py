@@ -328,13 +328,13 @@ def test_engine_start_without_mtp_weights_fails_naming_the_checkpoint(ckpts):
 @pytest.mark.engine
 def test_unpadded_drafts_on_cpu_are_refused_at_engine_start_from_two_draft_tokens():
     """``disable_padded_drafter_batch`` on CPU: vLLM's unpadded draft path would make each draft token after the
-    first see a sequence one more position too long (``model/attention_backend.py``). With K = 2 the engine refuses to
+    first see a sequence one more position too long (``attention/backend.py``). With K = 2 the engine refuses to
     start, naming the field, instead of failing at the first request's second draft token; with K = 1 (no second
     draft token) it serves."""
     from vllm import SamplingParams
 
+    from vllm_dsv4_mtp.attention.backend import UNPADDED_DRAFTS_ON_CPU
     from vllm_dsv4_mtp.embedded import BF16_CHECKPOINT_DIR
-    from vllm_dsv4_mtp.model.attention_backend import UNPADDED_DRAFTS_ON_CPU
 
     kw = dict(dtype="bfloat16", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True)
     spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": True}

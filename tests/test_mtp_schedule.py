@@ -67,7 +67,7 @@ class DraftLog:
         md = self.draft.model.step_metadata()
         self.forwards[-1].update(reqs=md.num_reqs, cache_only=module.step_k.last_cache_only is not None)
         if self.first_rows is None:
-            self.first_rows = self.attn.cache.gather(md.write_slots, 0, self.attn.head_dim).clone()
+            self.first_rows = self.attn.sparse_attn.rows.gather(md.write_slots, 0, self.attn.head_dim).clone()
 
     def _count(self, what):
         def hook(module, args, out):

@@ -1,48 +1,44 @@
-"""The sink attention through torch's CPU flash kernel equals the plain float32 formula it replaced."""
+"""torch's reference of DeepSeek's ``sparse_attn(q, kv, sink, topk_idxs, scale)`` (``cpu/sparse_attn.py``): each
+query's own rows, ``-1`` masked, the sink in the denominator; its chunking changes nothing."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention, sink_attention_reference
+from vllm_dsv4_mtp.cpu import sparse_attn
 
 
-def _case(b, s, h, d, n_keys, n_picks, dtype, seed=0):
+def _case(t, h, d, n_rows, k, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, s, h, d, generator=g).to(dtype)
-    keys = torch.randn(b, n_keys, d, generator=g).to(dtype)
-    masked = torch.rand(b, s, n_keys, generator=g) < 0.3
-    masked[..., 0] = False  # every query sees a key of the shared set (a window holds the query's own row)
-    picks = torch.randn(b, s, n_picks, d, generator=g).to(dtype)
-    unseen = torch.rand(b, s, n_picks, generator=g) < 0.4
-    unseen[0, 0] = True  # a query none of whose picks is visible: its set must contribute nothing
-    sink = torch.randn(h, generator=g) * 2
-    return q, keys, masked, picks, unseen, sink
+    q = torch.randn(t, h, d, generator=g)
+    kv = torch.randn(n_rows, d, generator=g)
+    idx = torch.randint(0, n_rows, (t, k), generator=g).masked_fill_(torch.rand(t, k, generator=g) < 0.3, -1)
+    return q, kv, idx, torch.randn(h, generator=g) * 2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("b, s, n_keys, n_picks", [(1, 1, 128, 0), (5, 1, 130, 0), (3, 4, 40, 7), (2, 32, 60, 16)])
-def test_flash_sink_attention_equals_the_float32_formula(dtype, b, s, n_keys, n_picks):
-    h, d, scale = 4, 64, 64**-0.5
-    q, keys, masked, picks, unseen, sink = _case(b, s, h, d, n_keys, n_picks, dtype)
-    per_query = (picks, unseen) if n_picks else None
-    got = sink_attention(q, (keys, additive_mask(masked, dtype)), per_query, sink, scale)
-    parts = [(keys, masked)] + ([(picks, unseen)] if n_picks else [])
-    want = sink_attention_reference(q, parts, sink, scale)
-    assert got.dtype == dtype and got.shape == q.shape
-    # float32: the same sums in another order; bfloat16: the kernel's bf16 probabilities and one more rounding
-    atol = 2e-6 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+def test_each_query_attends_its_own_rows_with_the_sink():
+    q, kv, idx, sink = _case(7, 3, 32, 50, 11)
+    idx[2] = -1  # a query that sees no key: the sink takes all the weight
+    got = sparse_attn.sparse_attn_reference(q, kv, sink, idx, 0.2)
+    for t in range(7):
+        rows = kv[idx[t][idx[t] >= 0]]
+        logits = torch.cat([(q[t] @ rows.T) * 0.2, sink[:, None]], dim=-1)
+        want = logits.softmax(-1)[:, :-1] @ rows
+        torch.testing.assert_close(got[t], want, atol=2e-6, rtol=0)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+def test_masked_rows_may_hold_anything_and_chunks_change_nothing(monkeypatch):
+    q, kv, idx, sink = _case(9, 2, 16, 30, 8, seed=1)
+    whole = sparse_attn.sparse_attn_reference(q, kv, sink, idx, 0.3)
+    hidden = sorted(set(range(30)) - set(idx[idx >= 0].tolist()))
+    kv[hidden] = float("nan")
+    idx[idx < 0] = -1
+    monkeypatch.setattr(sparse_attn, "GATHER_BUDGET", 16 * 8 * 2)  # two queries a chunk
+    torch.testing.assert_close(sparse_attn.sparse_attn_reference(q, kv, sink, idx, 0.3), whole, atol=0, rtol=0)
 
 
 def test_the_sink_takes_its_share():
-    """A sink far above every score leaves almost nothing; far below, plain softmax attention."""
-    q, keys, masked, _, _, _ = _case(2, 3, 2, 32, 20, 0, torch.float32, seed=1)
-    mask = additive_mask(masked, torch.float32)
-    huge = sink_attention(q, (keys, mask), None, torch.full((2,), 80.0), 0.2)
-    assert huge.abs().max() < 1e-20
-    tiny = sink_attention(q, (keys, mask), None, torch.full((2,), -80.0), 0.2)
-    logits = torch.einsum("bshd,bkd->bshk", q, keys) * 0.2
-    plain = torch.einsum("bshk,bkd->bshd", logits.masked_fill(masked.unsqueeze(2), float("-inf")).softmax(-1), keys)
-    torch.testing.assert_close(tiny, plain, atol=2e-6, rtol=0)
+    """A sink far above every score leaves almost nothing."""
+    q, kv, idx, _ = _case(4, 2, 32, 20, 6, seed=2)
+    assert sparse_attn.sparse_attn_reference(q, kv, torch.full((2,), 80.0), idx, 0.2).abs().max() < 1e-20

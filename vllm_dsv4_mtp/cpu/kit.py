@@ -2,8 +2,8 @@
 the portable model, each probed once per process against the model's own formula and kept.
 
     question (CpuKit method)                fast implementation                      probe
-    sink_loop(dtype, head_dim, device)      the C loop of cpu/sink_loop.py           a decode and a verify window
-                                                                                     vs the float32 reference
+    sink_loop(dtype, head_dim, device)      the C loop of cpu/sparse_attn.py         queries with masked keys vs
+                                                                                     the torch reference
     paged_window(kv_cache, head_dim)        vLLM's CPU paged attention               two engine-like steps vs the
                                             (cpu/paged_window.py)                    float32 reference
     mxfp4_round()                           the C loop of cpu/mxfp4_round.py         every bf16 exponent, ties, NaN:
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from vllm.logger import init_logger
 
 from vllm_dsv4_mtp.cpu import mxfp4_round as rounding_loop
-from vllm_dsv4_mtp.cpu import paged_window, sink_loop
+from vllm_dsv4_mtp.cpu import paged_window, sparse_attn
 from vllm_dsv4_mtp.cpu.compiled import ROW_DTYPES, KernelError
 from vllm_dsv4_mtp.formats import mxfp4
 
@@ -60,8 +60,8 @@ class CpuKit:
         return self._answers[key]
 
     def sink_loop(self, dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
-        """Whether the segments' sink attention runs through the compiled loop for these rows."""
-        if not sink_loop.takes(dtype, head_dim, device):
+        """Whether ``sparse_attn`` runs through the compiled loop for these rows."""
+        if not sparse_attn.takes(dtype, head_dim, device):
             return False
         return self._ask(("sink_loop", dtype), lambda: _probe_sink_loop(dtype))
 
@@ -221,48 +221,31 @@ def _probe_mxfp4_round() -> bool:
 
 
 def _probe_sink_loop(dtype: torch.dtype) -> bool:
-    """A decode and a verify window (two segments, own picks, masked keys, a query with every key masked) against
-    the float32 reference, within this dtype's rounding."""
-    from vllm_dsv4_mtp.model.sink_attention import sink_attention_reference
-
-    if sink_loop.loaded() is None:
+    """Queries with masked keys, one with every key masked, against the torch reference within this dtype's
+    rounding."""
+    if sparse_attn.loaded() is None:
         return False
     g = torch.Generator().manual_seed(0)
     d, heads, n = 64, 3, 40
-    pieces = torch.randn(n, d, generator=g).to(dtype)
-    worst = 0.0
-    for s, k in ((1, 0), (3, 4)):
-        index = torch.randint(0, n, (2, 9), generator=g)
-        masked = torch.rand(2, s, 9, generator=g) < 0.3
-        masked[1, 0] = True
-        own = torch.randint(0, n, (2, s, k), generator=g)
-        own_masked = torch.rand(2, s, k, generator=g) < 0.3
-        own_masked[1, 0] = True
-        q = torch.randn(2, s, heads, d, generator=g).to(dtype)
-        sink = torch.randn(heads, generator=g)
-        try:
-            got = sink_loop.attend_rows(
-                q, pieces, index, masked, own if k else None, own_masked if k else None, sink, 0.125
-            )
-        except (KernelError, ValueError) as e:
-            logger.info(
-                "vllm-dsv4-mtp: the sink-attention kernel failed its probe (%s); the attention keeps torch's path", e
-            )
-            return False
-        parts = [(pieces[index], masked)] + ([(pieces[own], own_masked)] if k else [])
-        want = sink_attention_reference(q, parts, sink, 0.125)
-        worst = max(worst, (got.float() - want.float()).abs().max().item())
-    return _within(worst, dtype, (1e-5, 1e-2), "the sink-attention loop")
+    kv = torch.randn(n, d, generator=g).to(dtype)
+    idx = torch.randint(0, n, (5, 9), generator=g).masked_fill_(torch.rand(5, 9, generator=g) < 0.3, -1)
+    idx[1] = -1
+    q = torch.randn(5, heads, d, generator=g).to(dtype)
+    sink = torch.randn(heads, generator=g)
+    try:
+        got = sparse_attn.sparse_attn_compiled(q, kv, sink, idx, 0.125)
+    except (KernelError, ValueError) as e:
+        logger.info("vllm-dsv4-mtp: the sparse-attention kernel failed its probe (%s); torch's reference is used", e)
+        return False
+    want = sparse_attn.sparse_attn_reference(q, kv, sink, idx, 0.125)
+    return _within((got.float() - want.float()).abs().max().item(), dtype, (1e-5, 1e-2), "the sparse-attention loop")
 
 
 def _probe_paged_window(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether this vLLM build's CPU kernel, driven as a step drives it (``WindowKernel.write`` and ``.attend``),
     gives the sink attention of two small steps (two prefills, then a chunk of three, over 32-row blocks, window
-    16) within this dtype's rounding of the float32 reference, so that a build without it (another instruction set,
+    16) within this dtype's rounding of the torch reference, so that a build without it (another instruction set,
     another signature) keeps the portable path instead of failing a step."""
-    from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
-    from vllm_dsv4_mtp.model.sink_attention import sink_attention_reference
-
     g = torch.Generator().manual_seed(0)
     block, window, heads = paged_window.BLOCK_ALIGNMENT, 16, 2
     table = np.array([[3, 0], [1, 4]])
@@ -278,27 +261,24 @@ def _probe_paged_window(dtype: torch.dtype, head_dim: int) -> bool:
             reqs = [r for r, _, _ in step]
             pos = np.concatenate([np.arange(a, b) for _, a, b in step])
             req = np.concatenate([np.full(b - a, i) for i, (_, a, b) in enumerate(step)])
-            md = PortableAttentionMetadata.create(
-                query_start_loc=np.cumsum([0] + [b - a for _, a, b in step]),
-                seq_lens=np.array([b for _, _, b in step]),
-                block_table=table[reqs],
-                slot_mapping=torch.from_numpy(table[reqs][req, pos // block] * block + pos % block),
-                num_actual_tokens=len(pos),
-                block_size=block,
-                device=torch.device("cpu"),
+            slots = torch.from_numpy(table[reqs][req, pos // block] * block + pos % block)
+            kernel.write(torch.cat([latents[r][a:b] for r, a, b in step]), slots)
+            sched = paged_window.Schedule.make(
+                np.cumsum([0] + [b - a for _, a, b in step]),
+                np.array([b for _, _, b in step]),
+                table[reqs],
+                heads=heads,
+                head_dim=head_dim,
+                window=window,
+                dtype=dtype,
             )
-            kernel.write(md, torch.cat([latents[r][a:b] for r, a, b in step]))
             q = torch.randn(len(pos), heads, head_dim, generator=g).to(dtype)
-            out = kernel.attend(md, q, sink)
+            out = kernel.attend(q, sink, sched)
             for t, (i, p) in enumerate(zip(req, pos)):
-                keys = latents[reqs[i]][max(0, p - window + 1) : p + 1].unsqueeze(0)
-                ref = sink_attention_reference(
-                    q[t].view(1, 1, heads, head_dim),
-                    [(keys, torch.zeros(1, 1, keys.shape[1], dtype=torch.bool))],
-                    sink,
-                    kernel.scale,
-                )
-                worst = max(worst, (out[t].float() - ref.view(heads, head_dim).float()).abs().max().item())
+                keys = latents[reqs[i]][max(0, p - window + 1) : p + 1]
+                idx = torch.arange(keys.shape[0]).view(1, -1)
+                ref = sparse_attn.sparse_attn_reference(q[t : t + 1], keys, sink, idx, kernel.scale)
+                worst = max(worst, (out[t].float() - ref[0].float()).abs().max().item())
     except Exception as e:  # noqa: BLE001 (a missing op, an unsupported instruction set: the portable path)
         logger.info(
             "vllm-dsv4-mtp: vLLM's CPU attention kernel is not usable here (%s); SWA layers keep the "

@@ -4,9 +4,9 @@ A DeepSeek-V4 layer with compress ratio 0 (the embedded model's layer 0, every M
 position ``p`` to the latents of positions ``p - W + 1 .. p`` with one sink logit per head: what vLLM's CPU
 attention kernel (``cpu_attention_with_kv_cache``) computes for a sliding-window model with attention sinks,
 causal, one KV head shared by the query heads, from the paged cache and the step's block table, for every
-request of the step in one call (no per-segment gather, mask or flash-kernel call), so it takes less time than
-the gather and flash-kernel path of ``model/sink_attention.py``: far less on warm caches, less in the engine,
-where the window rows come from memory (docs/benchmarks.md, "Why the code is as it is").
+request of the step in one call (no per-query index list), so it takes less time than ``sparse_attn`` over
+the window's indices (``cpu/sparse_attn.py``): far less on warm caches, less in the engine, where the window
+rows come from memory (docs/benchmarks.md, "Why the code is as it is").
 
 The kernel keeps keys and values in its own block layout (``cpu_attn_reshape_and_cache``), so the latent, key
 and value at once, is stored twice: in the first ``2 * block_size * head_dim`` elements of each of the layer's
@@ -14,17 +14,18 @@ own cache blocks, which the portable rows of a SWA layer (``head_dim`` of its ``
 unused whenever ``cache_width >= 2 * head_dim`` (every model with a compressed layer). A layer whose cache is
 too narrow, a block size, head size or dtype the kernel does not take, a non-CPU tensor, or a vLLM build whose
 kernel fails a probe step against the reference (``cpu/kit.py``, logged) keeps the portable path (:func:`takes`
-and ``KIT.paged_window``).
+and ``KIT.paged_window``). The step's arguments (:class:`Schedule`) are made once per step by the attention
+backend's metadata builder and shared by every SWA layer.
 """
 
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm import _custom_ops as ops
-
-from vllm_dsv4_mtp.model.attention_metadata import KernelSchedule, PortableAttentionMetadata
 
 # vLLM's generic x86 instruction set for its CPU attention (AMX machines would also take it; vLLM picks "amx" for
 # its own bf16 layers there); block sizes must be a multiple of 32 for it
@@ -49,6 +50,45 @@ def takes(kv_cache: torch.Tensor, head_dim: int) -> bool:
     )
 
 
+@dataclass
+class Schedule:
+    """One step's arguments of the kernel: int32 ``query_start_loc [R + 1]``, ``seq_lens [R]``, the block table
+    ``[R, max_blocks]`` and the kernel's scheduler metadata."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scheduler: torch.Tensor
+
+    @classmethod
+    def make(
+        cls,
+        qsl: np.ndarray,
+        seq_lens: np.ndarray,
+        block_table: np.ndarray,
+        *,
+        heads: int,
+        head_dim: int,
+        window: int,
+        dtype,
+    ) -> Schedule:
+        qsl_t, lens_t = torch.from_numpy(qsl.astype(np.int32)), torch.from_numpy(seq_lens.astype(np.int32))
+        sched = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=lens_t.shape[0],
+            num_heads=heads,
+            num_kv_heads=1,
+            head_dim=head_dim,
+            seq_lens=lens_t,
+            dtype=dtype,
+            query_start_loc=qsl_t,
+            causal=True,
+            sliding_window_size=window,
+            isa=ISA,
+            enable_kv_split=False,
+        )
+        return cls(qsl_t, lens_t, torch.from_numpy(block_table.astype(np.int32)), sched)
+
+
 class WindowKernel:
     """One SWA layer's latent in vLLM's CPU attention layout inside its own cache blocks, and its attention."""
 
@@ -61,42 +101,17 @@ class WindowKernel:
         self.window = window
         self.scale = scale
 
-    def write(self, md: PortableAttentionMetadata, kv: torch.Tensor) -> None:
-        """Store the step's latents ``kv: [n, d]`` at their slots, as key and value (padding tokens dropped)."""
-        kv = kv[: md.num_actual_tokens]
-        if md.write_index is not None:
-            kv = kv.index_select(0, md.write_index)
+    def write(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store latents ``kv: [n, d]`` at ``slots: [n]`` int64, as key and value."""
         kv = kv.to(self.key_cache.dtype).unsqueeze(1)  # [n, 1, d]
-        ops.cpu_attn_reshape_and_cache(kv, kv, self.key_cache, self.value_cache, md.write_slots, ISA)
+        ops.cpu_attn_reshape_and_cache(kv, kv, self.key_cache, self.value_cache, slots, ISA)
 
-    def attend(self, md: PortableAttentionMetadata, q: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, sink: torch.Tensor, step: Schedule) -> torch.Tensor:
         """``q: [n, H_local, d]`` (roped), ``sink: [H_local]`` float32 -> ``[n, H_local, d]`` in ``q.dtype``."""
-        n, heads = q.shape[0], q.shape[1]
         q = q.contiguous()
         out = torch.empty_like(q)
-        if n == 0:
+        if q.shape[0] == 0:
             return out
-        schedules = md.derived.kernel_schedules
-        key = (self.window, heads, q.dtype)
-        if key not in schedules:  # the same for every SWA layer of the step
-            qsl = torch.from_numpy(md._qsl.astype("int32"))
-            seq_lens = torch.from_numpy(md._seq_lens.astype("int32"))
-            table = torch.from_numpy(md._bt.astype("int32"))
-            sched = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=seq_lens.shape[0],
-                num_heads=heads,
-                num_kv_heads=1,
-                head_dim=self.head_dim,
-                seq_lens=seq_lens,
-                dtype=q.dtype,
-                query_start_loc=qsl,
-                causal=True,
-                sliding_window_size=self.window,
-                isa=ISA,
-                enable_kv_split=False,
-            )
-            schedules[key] = KernelSchedule(qsl, seq_lens, table, sched)
-        step = schedules[key]
         ops.cpu_attention_with_kv_cache(
             query=q,
             key_cache=self.key_cache,

@@ -6,22 +6,14 @@ Per token ``t`` at position ``p``::
     q   = wq_b(qr).view(H, d);  q = q / rms(q)    # per-head RMS, no weight
     q   = rope(q, p)                              # last 64 channels, interleaved
     kv  = rope(kv_norm(wkv(x)), p)                # ONE 512-d latent: key and value at once
-    keys(t) = window {p-127 .. p}  U  compressed entries (C128: all complete; C4: indexer top-k)
-    o   = softmax_with_sink(q . keys * d^-0.5) @ keys ;  o = rope^-1(o, p)
+    topk_idxs(t) = window {p-127 .. p}  ++  C128: every complete entry | C4: the indexer's top-k entries
+    o   = sparse_attn(q, kv, attn_sink, topk_idxs, d^-0.5);  o = rope^-1(o, p)
     out = wo_b(grouped wo_a(o))                   # G groups of H/G heads, o_lora rank each
 
 ``wq_a`` and ``wkv`` are one stacked replicated GEMM (``fused_wqa_wkv``); heads (``wq_b``, ``attn_sink``)
-and output groups (``wo_a``) are split across tensor-parallel ranks, ``wo_b`` reduces. The cache-touching
-part is :class:`vllm_dsv4_mtp.model.paged_rows.PagedRowCache` with the step's addressing
-(``model/attention_metadata.py``); this file holds the maths, batched over the whole step: the queries are
-laid out as ``[n_seg, S]`` segments (consecutive queries of one request), each segment attends to one
-contiguous window-key range plus the C128 entries it may see or (C4) each query's indexer picks. Segments (at
-most ``attention_metadata.SEGMENT`` = 32 queries: decodes, verify windows, prefill pieces) attend through the
-plugin's compiled loop, which reads those keys from the cache by index (``cpu/sink_loop.py``); where that loop
-is not usable (no C compiler, float16 rows) through torch's flash kernel over gathered keys
-(``model/sink_attention.py``). A layer with compress ratio 0 attends through vLLM's CPU
-paged-attention kernel instead where that kernel takes its cache (``cpu/paged_window.py``): the window and the
-sink are all it sees.
+and output groups (``wo_a``) are split across tensor-parallel ranks, ``wo_b`` reduces. The paged cache, the
+step's indices and the choice of kernel are the attention backend's (``attention/backend.py``): this file
+holds the maths.
 """
 
 from __future__ import annotations
@@ -37,23 +29,17 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 
+from vllm_dsv4_mtp.attention.backend import DeepseekV4SparseAttention
+from vllm_dsv4_mtp.attention.rows import cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
-from vllm_dsv4_mtp.cpu import sink_loop
-from vllm_dsv4_mtp.cpu.kit import KIT
 from vllm_dsv4_mtp.cpu.linear import Linear, dispatched_linear, plain_linears, prepared_linear, slice_linears
-from vllm_dsv4_mtp.cpu.paged_window import WindowKernel
-from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata, SharedKeys
 from vllm_dsv4_mtp.model.compressor import Compressor
-from vllm_dsv4_mtp.model.indexer import Indexer, indexer_topk
+from vllm_dsv4_mtp.model.indexer import Indexer
 from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
-from vllm_dsv4_mtp.model.paged_rows import PagedRowCache, cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.model.rope import layer_rope
-from vllm_dsv4_mtp.model.sink_attention import additive_mask, sink_attention
 from vllm_dsv4_mtp.model.split_sums import all_reduce, wide_layer
 
-# the intermediates of one group of segments (masks, gathered keys, indexer scores) stay below this many elements
-GROUP_BUDGET = 1 << 23
 # wo_a as one block-diagonal linear while that matrix has at most this many elements (the embedded model's:
 # 2 x 64 x 2 x 256: one call instead of one per group and a concatenation, faster on CPU: docs/benchmarks.md);
 # DeepSeek-V4's own groups stay one call each
@@ -136,12 +122,15 @@ class DeepseekV4Attention(nn.Module):
         self.row_width = layer_row_width(self.compress_ratio, self.head_dim, spec.index_head_dim)
         self.channels = entry_channels(self.compress_ratio, self.head_dim, spec.index_head_dim)
         # every layer pads its rows to one width, so target and draft share one KV-cache group
-        self.cache = PagedRowCache(
+        self.sparse_attn = DeepseekV4SparseAttention(
+            vllm_config,
+            prefix=prefix,
+            num_heads=self.n_local_heads,
+            head_dim=self.head_dim,
+            window=self.window,
+            compress_ratio=self.compress_ratio,
             row_width=self.row_width,
             cache_width=cache_row_width(ratios, self.head_dim, spec.index_head_dim),
-            piece_width=self.head_dim,
-            prefix=prefix,
-            vllm_config=vllm_config,
         )
 
     def _build_projections(self, spec: DeepseekV4Spec, prefix: str) -> None:
@@ -183,7 +172,6 @@ class DeepseekV4Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.empty(self.n_local_heads, dtype=torch.float32), requires_grad=False)
         self.attn_sink.weight_loader = self._load_sink  # type: ignore[attr-defined]
         self._wo_b_wide: Linear | None = None  # float32 models: wo_b in float64, set by pack()
-        self._window_kernel: tuple[torch.Tensor, WindowKernel | None] | None = None  # (bound cache, kernel)
 
     def _build_compression(self, spec: DeepseekV4Spec, prefix: str) -> None:
         """The layer's rope (YaRN on compressed layers), its compressor (C4 / C128) and, on C4, the indexer."""
@@ -195,7 +183,9 @@ class DeepseekV4Attention(nn.Module):
             rope_scaling=spec.rope_scaling,
         )
         self.compressor = (
-            Compressor(self.hidden_size, self.head_dim, self.compress_ratio, self.eps, prefix=f"{prefix}.compressor")
+            Compressor(
+                self.hidden_size, self.head_dim, self.compress_ratio, self.eps, self.rope, prefix=f"{prefix}.compressor"
+            )
             if self.compress_ratio
             else None
         )
@@ -207,6 +197,7 @@ class DeepseekV4Attention(nn.Module):
                 spec.index_head_dim,
                 spec.index_topk,
                 self.eps,
+                self.rope,
                 prefix=f"{prefix}.indexer",
             )
             if self.compress_ratio == OVERLAP_RATIO
@@ -244,21 +235,15 @@ class DeepseekV4Attention(nn.Module):
             parts.append(self.indexer.compressor.project(x))
         return q, qr, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
-    def write_latent(self, md: PortableAttentionMetadata, positions: torch.Tensor, x: torch.Tensor) -> None:
+    def write_latent(self, md, positions: torch.Tensor, x: torch.Tensor) -> None:
         """Only the cache write of :meth:`forward_paged`, for a sliding-window layer (the MTP block) at a step whose
         output is never read: ``kv = rope(kv_norm(x @ wkv))`` into the step's rows; no query, no attention."""
         if self.compress_ratio != 0:
             raise ValueError("write_latent: a sliding-window layer's cache (compress_ratio 0) only")
-        md.check_positions(positions)
         x = x[: md.num_tokens]
         kv = rms_norm(self.fused_wqa_wkv(x)[:, -self.head_dim :], self.kv_norm)
-        rot = self.rope.step_rotation(md.derived.rotations, "tokens", md.positions)
-        kv = self.rope.apply_(kv.unsqueeze(1), rot).squeeze(1)
-        kernel = self.window_kernel()
-        if kernel is not None:
-            kernel.write(md, kv)
-        else:
-            self.cache.write(md, kv)
+        kv = self.rope.apply_(kv.unsqueeze(1), self.rope.rotation(positions[: md.num_tokens])).squeeze(1)
+        self.sparse_attn.write(md, positions, kv)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output projection: ``o: [T, H_local, d]`` -> ``[T, D]`` (all-reduced over TP)."""
@@ -269,153 +254,34 @@ class DeepseekV4Attention(nn.Module):
         return all_reduce(self._wo_b_wide(self.wo_a(o))).to(o.dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``x: [T, D]`` (the normed sub-layer input) at ``positions: [T]`` -> ``[T, D]``.
-
-        Writes the step's rows, completes the blocks its tokens close (entries and indexer keys into the
-        completing rows), then attends; vLLM's profile / dummy runs (no metadata) only project.
-        """
-        md = self.cache.metadata()
+        """``x: [T, D]`` (the normed sub-layer input) at ``positions: [T]`` -> ``[T, D]``; vLLM's profile / dummy
+        runs (no metadata) only project."""
+        md = self.sparse_attn.metadata()
         if md is None:
             q, _, _ = self.project(x, self.rope.rotation(positions))
             return self.output(torch.zeros_like(q))
         return self.forward_paged(md, positions, x)
 
-    def window_kernel(self) -> WindowKernel | None:
-        """vLLM's CPU attention kernel over this layer's bound cache where it applies (a SWA layer:
-        ``cpu/paged_window.py``), else None; decided once per bound cache."""
-        cache = self.cache.kv_cache
-        if self._window_kernel is None or self._window_kernel[0] is not cache:
-            kernel = (
-                WindowKernel(cache, self.head_dim, self.window, self.scale)
-                if self.compress_ratio == 0 and KIT.paged_window(cache, self.head_dim)
-                else None
-            )
-            self._window_kernel = (cache, kernel)
-        return self._window_kernel[1]
-
-    def uses_sink_kernel(self) -> bool:
-        """Whether the segments attend through the compiled kernel (``cpu/sink_loop.py``) over this
-        layer's bound cache: the kit's answer for its rows (kept per process, so asked every step). Every segment
-        may: it is at most ``attention_metadata.SEGMENT`` = 32 queries, where the kernel is faster than torch's
-        flash kernel, which only pays for segments several times longer (docs/benchmarks.md)."""
-        cache = self.cache.kv_cache
-        return KIT.sink_loop(cache.dtype, self.head_dim, cache.device)
-
-    def forward_paged(self, md: PortableAttentionMetadata, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` for explicit metadata (a ``PortableAttentionMetadata``) over the bound cache."""
-        md.check_positions(positions)
+    def forward_paged(self, md, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` over the step's metadata ``md`` (the backend's): write the step's rows, pool the
+        blocks they complete, pick (C4), attend."""
         n = md.num_tokens
-        x_real = x[:n]
-        rot = self.rope.step_rotation(md.derived.rotations, "tokens", md.positions)
-        q, qr, rows = self.project(x_real, rot)
-        kernel = self.window_kernel()
-        if kernel is not None:  # a SWA layer (its rows are the latent alone) through vLLM's CPU kernel
-            kernel.write(md, rows)
-            o = kernel.attend(md, q, self.attn_sink)
-        else:
-            self.cache.write(md, rows)
-            ch = self.channels
-            index_q = index_w = None
-            if self.compressor is not None:
-                self.compressor.complete(
-                    md, self.cache, self.rope, kv_gate_channel=ch["kv_gate"], entry_channel=ch["entry"]
-                )
-            if self.indexer is not None:
-                self.indexer.compressor.complete(
-                    md, self.cache, self.rope, kv_gate_channel=ch["index_kv_gate"], entry_channel=ch["ikey"]
-                )
-                index_q, index_w = self.indexer.queries(qr, x_real, rot, self.rope)
-            o = self.attend(md, q, index_q, index_w)
-        o = self.rope.apply_(o, self.rope.step_rotation(md.derived.rotations, "tokens", md.positions, inverse=True))
+        rot = self.rope.rotation(positions[:n])
+        q, qr, rows = self.project(x[:n], rot)
+        self.sparse_attn.write(md, positions, rows)
+        ch, picks = self.channels, None
+        if self.compressor is not None:
+            c = self.compressor
+            self.sparse_attn.compress(md, c, ratio=c.ratio, kv_gate=ch["kv_gate"], width=c.row_width, entry=ch["entry"])
+        if self.indexer is not None:
+            c = self.indexer.compressor
+            self.sparse_attn.compress(
+                md, c, ratio=c.ratio, kv_gate=ch["index_kv_gate"], width=c.row_width, entry=ch["ikey"]
+            )
+            iq, iw = self.indexer.queries(qr, x[:n], rot)
+            picks = self.sparse_attn.indexer_picks(md, iq, iw, self.indexer.select, ikey=ch["ikey"])
+        o = self.sparse_attn(md, q, self.attn_sink, picks)
+        o = self.rope.apply_(o, rot.conj_physical())
         if n < x.shape[0]:  # padding tokens: output 0
             o = torch.cat([o, o.new_zeros(x.shape[0] - n, *o.shape[1:])])
         return self.output(o)
-
-    # ----------------------------------------------------------------------------------------------
-    def attend(
-        self, md: PortableAttentionMetadata, q: torch.Tensor, index_q: torch.Tensor | None, index_w: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Attention of the step's queries ``q: [n, H_local, d]`` over the paged rows -> ``[n, H_local, d]``
-        (rope still applied at the query positions). ``index_q, index_w``: the indexer's (C4 only)."""
-        b, s = md.num_segments, md.seg_len
-        if b == 0:
-            return q.new_zeros(q.shape)
-
-        def segments(t: torch.Tensor | None) -> torch.Tensor | None:  # [n, ...] -> [n_seg, S, ...]
-            if t is None:
-                return None
-            t = t if md.query_index is None else t.index_select(0, md.query_index)
-            return t.view(b, s, *t.shape[1:])
-
-        qs, iq, iw = segments(q), segments(index_q), segments(index_w)
-        n_win = md.window(self.window).slots.shape[1]
-        n_ent = md.entries(self.compress_ratio).count if self.compress_ratio else 0
-        k = min(self.indexer.topk, n_ent) if self.indexer is not None else n_ent
-        shared = n_win + k  # keys every query scores
-        per_seg = s * self.n_local_heads * (shared + 1) + shared * self.head_dim
-        if self.indexer is not None:
-            per_seg = max(per_seg, s * self.indexer.n_heads * n_ent, s * k * self.head_dim)
-        groups = md.segment_groups(per_seg, GROUP_BUDGET)
-        outs = [
-            self._attend_group(
-                md, slice(lo, hi), qs[lo:hi], None if iq is None else iq[lo:hi], None if iw is None else iw[lo:hi]
-            )
-            for lo, hi in groups
-        ]
-        o = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(b * s, *q.shape[1:])
-        return o if md.output_index is None else o.index_select(0, md.output_index)
-
-    def _shared_keys(self, md: PortableAttentionMetadata, additive: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys every query of a segment may see: the window and (C128-style layers) every complete entry, as
-        one cache-piece index ``[n_seg, K]`` (one gather reads both) and which each query may not see,
-        ``[n_seg, S, K]``: bool (True = masked), or with ``additive`` the additive mask in the cache dtype; the
-        same for every layer of this kind, so made once per step (:class:`SharedKeys`)."""
-        made = md.derived.shared_keys
-        key = (self.window, 0 if self.indexer is not None else self.compress_ratio)
-        if key not in made:
-            ch = self.channels
-            win = md.window(self.window)
-            index, masked = [self.cache.piece_index(win.slots, ch["kv"])], [win.masked]
-            ent = md.entries(self.compress_ratio) if self.compress_ratio and self.indexer is None else None
-            if ent is not None and ent.count:
-                index.append(self.cache.piece_index(ent.slots, ch["entry"]))
-                masked.append(ent.masked)
-            made[key] = SharedKeys(torch.cat(index, dim=1), torch.cat(masked, dim=-1))
-        keys = made[key]
-        if not additive:
-            return keys.index, keys.masked
-        if keys.additive is None:
-            keys.additive = additive_mask(keys.masked, self.cache.dtype)
-        return keys.index, keys.additive
-
-    def _attend_group(
-        self,
-        md: PortableAttentionMetadata,
-        seg: slice,
-        q: torch.Tensor,
-        iq: torch.Tensor | None,
-        iw: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """One group of segments: ``q: [B, S, H_local, d]`` -> ``[B, S, H_local, d]``."""
-        ch = self.channels
-        kernel = self.uses_sink_kernel()
-        index, mask = (t[seg] for t in self._shared_keys(md, additive=not kernel))
-        per_query = None
-        picked = unseen = None
-        ent = md.entries(self.compress_ratio) if self.indexer is not None else None
-        if ent is not None and ent.count:  # C4: each query's indexer picks among the complete entries
-            slots = ent.slots[seg]
-            index_keys = self.cache.gather(slots, ch["ikey"], self.indexer.head_dim)
-            picks, unseen = indexer_topk(iq, iw, index_keys, ent.masked[seg], ent.limit[seg], topk=self.indexer.topk)
-            bsz, s, k = picks.shape
-            picked = self.cache.piece_index(torch.gather(slots, 1, picks.reshape(bsz, s * k)), ch["entry"])
-            if kernel:  # each query reads its own picks by index
-                picked = picked.view(bsz, s, k)
-            else:
-                per_query = (self.cache.gather_pieces(picked.view(bsz, s, k)), unseen)
-        if kernel:  # keys read from the cache by index, masks as they are
-            return sink_loop.attend_rows(
-                q, self.cache.piece_table(), index, mask, picked, unseen, self.attn_sink, self.scale
-            )
-        keys = self.cache.gather_pieces(index)
-        return sink_attention(q, (keys, mask), per_query, self.attn_sink, self.scale)

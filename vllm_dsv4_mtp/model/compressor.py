@@ -12,10 +12,10 @@ of the ``c`` rows:
 The entry is RMS-normalised (``norm.weight``) and rotated at position ``ratio * j``. An entry exists only
 once its block is complete; a query at position ``t`` sees entries ``j < (t + 1) // ratio``.
 
-The portable attention core keeps ``[c | z]`` per token in the paged KV cache; :meth:`Compressor.complete`
-pools a block once, in the step that writes its last token, from the block's cached rows, and stores the
-entry in that token's row (see ``model/paged_rows.py``). Also used, at ``hd = index_head_dim``, by the
-lightning indexer.
+The portable attention keeps ``[c | z]`` per token in the paged KV cache; the backend gathers a block's rows
+once, in the step that writes its last token, :meth:`Compressor.forward` pools them, and the backend stores the
+entry in that token's row (``attention/rows.py``). Also used, at ``hd = index_head_dim``, by the lightning
+indexer.
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO, blocks_per_entry
 from vllm_dsv4_mtp.cpu.linear import prepared_linear
-from vllm_dsv4_mtp.model.attention_metadata import PortableAttentionMetadata
 from vllm_dsv4_mtp.model.norm import rms_norm
-from vllm_dsv4_mtp.model.paged_rows import PagedRowCache
 from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
 
@@ -69,8 +67,9 @@ class Compressor(nn.Module):
     ``wkv`` and ``wgate`` are stacked into one replicated GEMM ``fused_wkv_wgate`` (output ``[c | z]``).
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, ratio: int, norm_eps: float, prefix: str):
+    def __init__(self, hidden_size: int, head_dim: int, ratio: int, norm_eps: float, rope: DeepseekV4Rope, prefix: str):
         super().__init__()
+        self.rope = rope  # the layer's
         self.ratio = ratio
         self.head_dim = head_dim
         self.blocks_per_entry = blocks_per_entry(ratio)
@@ -93,24 +92,8 @@ class Compressor(nn.Module):
         """``x: [T, D]`` -> ``[T, row_width]`` rows ``[c | z]`` to store per token."""
         return self.fused_wkv_wgate(x)
 
-    def complete(
-        self,
-        md: PortableAttentionMetadata,
-        cache: PagedRowCache,
-        rope: DeepseekV4Rope,
-        *,
-        kv_gate_channel: int,
-        entry_channel: int,
-    ) -> None:
-        """Make the entries of the blocks this step completes and store them in their completing rows.
-
-        ``cache``: the layer's rows (this step's already written); the rows' ``[c | z]`` start at
-        ``kv_gate_channel``, entries go to ``entry_channel``.
-        """
-        done = md.completions(self.ratio, self.blocks_per_entry * self.ratio)
-        if done is None:
-            return
-        rows = cache.gather(done.row_slots, kv_gate_channel, self.row_width)  # [M, span, row_width]
-        pooled = pool_gathered(rows, done.row_valid, self.ape, ratio=self.ratio, head_dim=self.head_dim)
-        rot = rope.step_rotation(md.derived.rotations, f"blocks{self.ratio}", done.block_pos)
-        cache.put(done.dst, entry_channel, rope.apply_(rms_norm(pooled, self.norm), rot))
+    def forward(self, rows: torch.Tensor, valid: torch.Tensor, block_pos: torch.Tensor) -> torch.Tensor:
+        """Entries of ``M`` completed blocks from their rows ``[M, span, row_width]`` (``valid [M, span, 1]``) ->
+        ``[M, head_dim]``, normed and roped at ``block_pos [M]``."""
+        pooled = pool_gathered(rows, valid, self.ape, ratio=self.ratio, head_dim=self.head_dim)
+        return self.rope.apply_(rms_norm(pooled, self.norm), self.rope.rotation(block_pos))

@@ -145,7 +145,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             "expert_activation_quant": [layer.ffn.experts.activation_quant for layer in layers],
             "shared_activation_quant": [layer.ffn.shared_experts.activation_quant for layer in layers],
             "row_widths": [layer.attn.row_width for layer in layers],
-            "cache_row_width": layers[0].attn.cache.cache_width,
+            "cache_row_width": layers[0].attn.sparse_attn.cache_width,
             "mtp_hidden_buffer": None
             if self.model._mtp_hidden_buffer is None
             else list(self.model._mtp_hidden_buffer.shape),

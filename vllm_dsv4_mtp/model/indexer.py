@@ -5,7 +5,7 @@ indexer's own C4 compressor (``hd = dI``) produce keys ``KI [n, dI]``; the score
 ``t`` is ``sum_h relu(qI[t,h] . KI[j]) * dI^-0.5 * w[t,h]``, restricted to entries that are complete
 (``j < (t + 1) // 4``). Picks beyond the causal limit (too few ready entries) are flagged invalid. The keys
 are made once per block (the indexer's compressor, in the block's completing row of the paged cache; see
-``model/paged_rows.py``) and gathered per segment of queries.
+``attention/rows.py``) and gathered per segment of queries.
 
 The reference also rotates ``qI`` and ``KI`` by a Hadamard matrix and fake-quantises them to FP4 (QAT);
 the rotation is orthonormal, so the dot products are unchanged, and the FP4 rounding is not applied here
@@ -84,9 +84,18 @@ class Indexer(nn.Module):
     """Native ``layers.N.attn.indexer.{wq_b, weights_proj, compressor.*}``."""
 
     def __init__(
-        self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, norm_eps: float, prefix: str
+        self,
+        hidden_size: int,
+        q_lora_rank: int,
+        n_heads: int,
+        head_dim: int,
+        topk: int,
+        norm_eps: float,
+        rope: DeepseekV4Rope,
+        prefix: str,
     ):
         super().__init__()
+        self.rope = rope  # the layer's
         self.n_heads = n_heads
         self.head_dim = head_dim
         self.topk = topk
@@ -103,14 +112,14 @@ class Indexer(nn.Module):
         self.weights_proj = prepared_linear(
             ReplicatedLinear(hidden_size, n_heads, bias=False, prefix=f"{prefix}.weights_proj", return_bias=False)
         )
-        self.compressor = Compressor(hidden_size, head_dim, self.ratio, norm_eps, prefix=f"{prefix}.compressor")
+        self.compressor = Compressor(hidden_size, head_dim, self.ratio, norm_eps, rope, prefix=f"{prefix}.compressor")
 
-    def queries(
-        self, qr: torch.Tensor, x: torch.Tensor, rot: torch.Tensor, rope: DeepseekV4Rope
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries(self, qr: torch.Tensor, x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``qr: [T, q_lora]``, ``x: [T, D]``, ``rot``: the tokens' rotations -> ``(qI [T, nI, dI], w [T, nI]
         float32)``."""
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
-        q = rope.apply_(q, rot)
-        w = self.weights_proj(x).float() * self.n_heads**-0.5
-        return q, w
+        q = self.rope.apply_(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), rot)
+        return q, self.weights_proj(x).float() * self.n_heads**-0.5
+
+    def select(self, q, weights, keys, masked, limit) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`indexer_topk` with this indexer's ``index_topk``."""
+        return indexer_topk(q, weights, keys, masked, limit, topk=self.topk)

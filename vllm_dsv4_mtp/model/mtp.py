@@ -207,7 +207,7 @@ class DeepSeekV4MultiTokenPredictor(nn.Module):
 
     def step_metadata(self, spec_step_idx: int = 0):
         """The step's attention metadata of the draft's layer (None in vLLM's dummy and profile runs)."""
-        return self.layer(spec_step_idx).mtp_block.attn.cache.metadata()
+        return self.layer(spec_step_idx).mtp_block.attn.sparse_attn.metadata()
 
 
 class DeepSeekV4MTPModel(nn.Module):
@@ -311,8 +311,8 @@ class DeepSeekV4MTPModel(nn.Module):
             "compress_ratio": attn.compress_ratio,
             "hash_routed": layer.mtp_block.ffn.gate.is_hash,
             "expert_activation_quant": layer.mtp_block.ffn.experts.activation_quant,
-            "attention_layer": attn.cache.layer_name,
-            "cache_row_width": attn.cache.cache_width,
+            "attention_layer": attn.sparse_attn.layer_name,
+            "cache_row_width": attn.sparse_attn.cache_width,
             "quantized_mtp": self.quantized_mtp,
             "precision": self.precision,
             "shared_fp8_inputs": layer.mtp_block.ffn.shared_experts.fp8_round is not None,

@@ -45,8 +45,8 @@ class DeepseekV4Rope(nn.Module):
     """Interleaved partial rotary embedding of one layer (``rope_dim`` trailing channels).
 
     The rotation of pair ``(2i, 2i+1)`` at position ``p`` is the complex factor ``exp(i p f_i)`` (float32):
-    :meth:`rotation` computes those factors once for a set of positions (a layer's step shares them across
-    queries, keys and output through :meth:`step_rotation`), :meth:`apply` multiplies by them.
+    :meth:`rotation` computes those factors once for a set of positions (a layer shares them across its
+    queries, keys and output), :meth:`apply` multiplies by them.
     """
 
     def __init__(self, rope_dim: int, theta: float, yarn: dict | None = None):
@@ -55,8 +55,6 @@ class DeepseekV4Rope(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(rope_dim, theta, yarn), persistent=False)
         self.theta = theta
         self.is_yarn = bool(yarn)
-        # ropes with equal frequencies share a step's rotations (every compressed layer of a model, say)
-        self.key = (rope_dim, tuple(self.inv_freq.tolist()))
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions: [N]`` int -> ``cos, sin: [N, rope_dim // 2]`` float32."""
@@ -67,23 +65,6 @@ class DeepseekV4Rope(nn.Module):
         """``positions: [N]`` -> complex64 ``[N, rope_dim // 2]`` factors ``exp(i p f)``."""
         cos, sin = self.cos_sin(positions)
         return torch.complex(cos, sin)
-
-    def step_rotation(
-        self,
-        rotations: dict[tuple[tuple, str, bool], torch.Tensor],
-        tag: str,
-        positions: torch.Tensor,
-        inverse: bool = False,
-    ) -> torch.Tensor:
-        """:meth:`rotation` (conjugated when ``inverse``), kept in the step's ``rotations``
-        (``PortableAttentionMetadata.derived.rotations``) under ``tag`` (the role of ``positions``), so the
-        layers sharing this rope's frequencies compute it once per step."""
-        key = (self.key, tag, inverse)
-        rot = rotations.get(key)
-        if rot is None:
-            rot = self.step_rotation(rotations, tag, positions).conj_physical() if inverse else self.rotation(positions)
-            rotations[key] = rot
-        return rot
 
     def apply_(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
         """Rotate, in place, the last ``rope_dim`` channels of ``x: [N, ..., C]`` by ``rot: [N, rope_dim // 2]``

@@ -1,15 +1,14 @@
-/* DeepSeek-V4's sink attention for query segments (at most 32 queries), read straight from the paged cache's
- * piece table.
+/* DeepSeek-V4's sparse_attn(q, kv, sink, topk_idxs, scale) on CPU: each query attends to the rows of kv that
+ * its own index list names (-1: no key), read in place (kv is the paged cache's piece table).
  *
- * For query row (b, s) and head h, over the keys it may see (the segment's shared keys not masked for it, then
- * its own picks not masked), with the latent as key and value:
+ * For query t and head h, over the keys j with topk_idxs[t, j] >= 0, with the latent as key and value:
  *
- *     o = sum_t exp(l_t) k_t / (sum_t exp(l_t) + exp(sink_h)),   l_t = scale * q . k_t
+ *     o = sum_j exp(l_j) k_j / (sum_j exp(l_j) + exp(sink_h)),   l_j = scale * q . k_j
  *
  * Rows are float32 or bfloat16 (widened exactly); scores, probabilities and sums are float32 and the output is
- * rounded once (bfloat16: to nearest even). Built and called by vllm_dsv4_mtp/cpu/sink_loop.py, which
- * states the arguments' shapes. Returns 0, or 1 (out of memory), 2 (an index outside the table), 3 (a head
- * size this file does not take).
+ * rounded once (bfloat16: to nearest even). Built and called by vllm_dsv4_mtp/cpu/sparse_attn.py, which
+ * states the arguments' shapes. Returns 0, or 1 (out of memory), 2 (an index outside kv), 3 (a head size
+ * this file does not take).
  *
  * It includes no header and links no library but OpenMP's (the compiler's own type macros; malloc, free and
  * memset come from the process that loads it), so a compiler alone builds it: no C library headers or start
@@ -82,9 +81,8 @@ static inline uint16_t to_bf16(float f) {
 typedef struct {
     const char *q, *pieces;
     int64_t q_stride, row_bytes;
-    int bf16, S, H, d, K, k;
-    const int64_t *shared_idx, *own_idx;
-    const uint8_t *shared_masked, *own_masked;
+    int bf16, H, d, K;
+    const int64_t *idx;
     const float *sink;
     float scale;
     char *out;
@@ -95,16 +93,13 @@ typedef struct { const char **rows; float *p, *denom; vf_u *qv; } Scratch;
 /* one query row: its visible keys' rows, the scores of every head (four heads per pass over the keys), the
  * probabilities with the sink in the denominator, then the values (two heads per pass) */
 static void attend_row(const Args *a, Scratch *w, int64_t bs) {
-    const int nv = a->d / VL, H = a->H, ld = ((a->K + a->k + VL - 1) / VL) * VL;
-    const int64_t b = bs / a->S;
+    const int nv = a->d / VL, H = a->H, ld = ((a->K + VL - 1) / VL) * VL;
     const char **rows = w->rows;
     float *p = w->p;
     vf_u *qv = w->qv;
     int n = 0;
     for (int j = 0; j < a->K; j++)
-        if (!a->shared_masked[bs * a->K + j]) rows[n++] = a->pieces + a->shared_idx[b * a->K + j] * a->row_bytes;
-    for (int j = 0; j < a->k; j++)
-        if (!a->own_masked[bs * a->k + j]) rows[n++] = a->pieces + a->own_idx[bs * a->k + j] * a->row_bytes;
+        if (a->idx[bs * a->K + j] >= 0) rows[n++] = a->pieces + a->idx[bs * a->K + j] * a->row_bytes;
     const char *qrow = a->q + bs * a->q_stride * (a->bf16 ? 2 : 4);
     for (int h = 0; h < H; h++)
         for (int i = 0; i < nv; i++) qv[h * nv + i] = load16(qrow + h * a->row_bytes, a->bf16, i) * a->scale;
@@ -165,30 +160,25 @@ static void attend_row(const Args *a, Scratch *w, int64_t bs) {
     }
 }
 
-/* q: row (b, s) at q + (b S + s) q_stride elements, its heads d apart; pieces: n_pieces rows of d; shared_idx
- * [B, K], shared_masked [B, S, K] (nonzero: masked); own_idx / own_masked [B, S, k] (k may be 0); sink [H];
- * out [B, S, H, d] contiguous; bf16: rows, q and out are bfloat16, else float32 */
-int dsv4_sink_attention(const void *q, int64_t q_stride, const void *pieces, int64_t n_pieces, int bf16,
-                        int B, int S, int H, int d, const int64_t *shared_idx, const uint8_t *shared_masked, int K,
-                        const int64_t *own_idx, const uint8_t *own_masked, int k, const float *sink, float scale,
-                        void *out) {
+/* q: query t at q + t q_stride elements, its heads d apart; kv: n_kv rows of d; topk_idxs [T, K] (-1: no
+ * key); sink [H]; out [T, H, d] contiguous; bf16: kv, q and out are bfloat16, else float32 */
+int dsv4_sparse_attn(const void *q, int64_t q_stride, const void *kv, int64_t n_kv, int bf16, int T, int H, int d,
+                     const int64_t *topk_idxs, int K, const float *sink, float scale, void *out) {
     if (d % VL || d / VL > MAX_NV || H < 1) return 3;
-    for (int64_t i = 0; i < (int64_t)B * K; i++)
-        if (shared_idx[i] < 0 || shared_idx[i] >= n_pieces) return 2;
-    for (int64_t i = 0; i < (int64_t)B * S * k; i++)
-        if (own_idx[i] < 0 || own_idx[i] >= n_pieces) return 2;
-    const Args a = {(const char *)q, (const char *)pieces, q_stride, (int64_t)d * (bf16 ? 2 : 4), bf16, S, H, d,
-                    K, k, shared_idx, own_idx, shared_masked, own_masked, sink, scale, (char *)out};
-    const int ld = ((K + k + VL - 1) / VL) * VL;
+    for (int64_t i = 0; i < (int64_t)T * K; i++)
+        if (topk_idxs[i] < -1 || topk_idxs[i] >= n_kv) return 2;
+    const Args a = {(const char *)q, (const char *)kv, q_stride, (int64_t)d * (bf16 ? 2 : 4), bf16, H, d, K,
+                    topk_idxs, sink, scale, (char *)out};
+    const int ld = ((K + VL - 1) / VL) * VL;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        Scratch w = {malloc(sizeof(char *) * (__SIZE_TYPE__)(K + k + 1)), malloc(sizeof(float) * (__SIZE_TYPE__)H * ld),
+        Scratch w = {malloc(sizeof(char *) * (__SIZE_TYPE__)(K + 1)), malloc(sizeof(float) * (__SIZE_TYPE__)H * ld),
                      malloc(sizeof(float) * (__SIZE_TYPE__)H), malloc(sizeof(vf) * (__SIZE_TYPE__)H * (d / VL))};
         failed = !w.rows || !w.p || !w.denom || !w.qv;
 #pragma omp for schedule(static)
-        for (int64_t bs = 0; bs < (int64_t)B * S; bs++)
-            if (!failed) attend_row(&a, &w, bs);
+        for (int64_t t = 0; t < (int64_t)T; t++)
+            if (!failed) attend_row(&a, &w, t);
         free(w.rows);
         free(w.p);
         free(w.denom);

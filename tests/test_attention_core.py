@@ -251,11 +251,11 @@ def test_grouped_wo_a_is_the_block_diagonal_product_packed_or_not(dtype, tokens,
     """``wo_a`` runs one linear per group on strided group slices of its input (before pack() through
     F.linear; after it through vLLM's CPU GEMM dispatch, one linear per group or, for small groups, one
     block-diagonal linear); every way the result is the block-diagonal product, also on a strided input."""
-    from vllm_dsv4_mtp.model import attention
+    from vllm_dsv4_mtp.cpu import linear
     from vllm_dsv4_mtp.model.attention import GroupedLinear
 
     if not block_diagonal:
-        monkeypatch.setattr(attention, "BLOCK_DIAGONAL_MAX", 0)
+        monkeypatch.setattr(linear, "BLOCK_DIAGONAL_MAX", 0)
     g = torch.Generator().manual_seed(0)
     wo_a = GroupedLinear(256, 64, n_groups=4, n_local_groups=2)
     wo_a.weight.data.copy_(torch.randn(128, 256, generator=g) * 0.05)

@@ -456,7 +456,7 @@ from vllm.platforms import current_platform
 current_platform.import_kernels()
 import vllm._custom_ops  # noqa: F401
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm_dsv4_mtp.model import norm as N
+from vllm_dsv4_mtp.cpu import norm as N
 x = (torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
 from vllm_dsv4_mtp.cpu.kit import KIT, vllm_rms_normalise
 assert (vllm_rms_normalise(x, 1e-6) != N._normalise(x, 1e-6, x.dtype)).float().mean() > 0.2  # this build truncates
@@ -490,7 +490,7 @@ def test_attention_rms_norm_equals_vllm_rmsnorm(dtype):
     CPUs whose kernel truncates to bfloat16 take the formula."""
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    from vllm_dsv4_mtp.model.norm import rms_norm
+    from vllm_dsv4_mtp.cpu.norm import rms_norm
 
     g = torch.Generator().manual_seed(0)
     for shape in [(7, 96), (300, 128), (64, 1024), (5, 4, 512), (1, 64), (32, 7168), (3, 60)]:
@@ -516,7 +516,7 @@ def test_query_heads_rms_normalise_rounds_the_float32_formula_once(dtype):
     """The query heads' weightless RMS (``rms_normalise``): ``x * rsqrt(mean(x^2) + eps)`` in float32, rounded
     once to the dtype, per head of a ``[T, H, d]`` projection (the fused kernel where it applies, on a
     contiguous copy of a strided input too); a wrong eps, axis or rounding breaks the equality."""
-    from vllm_dsv4_mtp.model.norm import rms_normalise
+    from vllm_dsv4_mtp.cpu.norm import rms_normalise
 
     g = torch.Generator().manual_seed(1)
     # the last rows are small enough (rms ~1e-3) that eps = 1e-6 moves every value by a third

@@ -167,3 +167,18 @@ def prepare_linears(model: nn.Module) -> None:
             raise RuntimeError(f"{m.prefix}: its weight was never loaded (still on the meta device)")
         m.float32_weight = w.float() if float32_route(w) else None
         m.gemm = cpu_linear(w) if m.float32_weight is None else float32_linear(m.float32_weight, w.dtype)
+
+
+# wo_a as one block-diagonal linear while that matrix has at most this many elements (the embedded model's:
+# 2 x 64 x 2 x 256: one call instead of one per group and a concatenation, faster on CPU: docs/benchmarks.md);
+# DeepSeek-V4's own groups stay one call each
+BLOCK_DIAGONAL_MAX = 1 << 20
+
+
+def grouped_linears(w: torch.Tensor) -> list[Linear]:
+    """Linears of a block-diagonal weight ``w [G, n, k]``: one per group or, while the whole matrix is small
+    (``BLOCK_DIAGONAL_MAX``), one over all groups (the zero blocks add exact zeros)."""
+    g, n, k = w.shape
+    if g > 1 and g * n * g * k <= BLOCK_DIAGONAL_MAX:
+        return [dispatched_linear(torch.block_diag(*w.data))]
+    return slice_linears(w)

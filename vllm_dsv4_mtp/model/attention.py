@@ -33,26 +33,17 @@ from vllm_dsv4_mtp.attention.backend import DeepseekV4SparseAttention
 from vllm_dsv4_mtp.attention.rows import cache_row_width, entry_channels, layer_row_width
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
-from vllm_dsv4_mtp.cpu.linear import Linear, dispatched_linear, plain_linears, prepared_linear, slice_linears
+from vllm_dsv4_mtp.cpu.linear import Linear, grouped_linears, plain_linears, prepared_linear
+from vllm_dsv4_mtp.cpu.norm import rms_norm, rms_normalise
 from vllm_dsv4_mtp.model.compressor import Compressor
 from vllm_dsv4_mtp.model.indexer import Indexer
-from vllm_dsv4_mtp.model.norm import rms_norm, rms_normalise
 from vllm_dsv4_mtp.model.rope import layer_rope
 from vllm_dsv4_mtp.model.split_sums import all_reduce, wide_layer
 
-# wo_a as one block-diagonal linear while that matrix has at most this many elements (the embedded model's:
-# 2 x 64 x 2 x 256: one call instead of one per group and a concatenation, faster on CPU: docs/benchmarks.md);
-# DeepSeek-V4's own groups stay one call each
-BLOCK_DIAGONAL_MAX = 1 << 20
-
 
 class GroupedLinear(nn.Module):
-    """Block-diagonal ``wo_a``: group ``g`` maps its ``(H/G) d`` inputs to ``o_lora`` outputs.
-
-    ``weight: [G_local * o_lora, (H/G) d]`` (native ``wo_a.weight`` rows of this rank's groups); applied one
-    group at a time (after :meth:`pack` through vLLM's CPU GEMM dispatch, ``cpu/linear.py``), so it is a
-    plain parameter rather than a vLLM linear layer.
-    """
+    """Block-diagonal ``wo_a``: group ``g`` maps its ``(H/G) d`` inputs to ``o_lora`` outputs. ``weight:
+    [G_local * o_lora, (H/G) d]`` (this rank's groups' rows), a plain parameter: the kit runs the groups."""
 
     def __init__(self, in_per_group: int, out_per_group: int, n_groups: int, n_local_groups: int):
         super().__init__()
@@ -75,15 +66,8 @@ class GroupedLinear(nn.Module):
         return self.weight.view(self.n_local_groups, self.out_per_group, -1)
 
     def pack(self) -> None:
-        """After loading: one linear per group or, while that matrix is small (``BLOCK_DIAGONAL_MAX``), one
-        block-diagonal linear for all groups (one call instead of ``G_local`` and a concatenation; the zero
-        blocks add exact zeros)."""
-        w = self._grouped_weight()
-        g, n, k = w.shape
-        if g > 1 and g * n * g * k <= BLOCK_DIAGONAL_MAX:
-            self._linears = [dispatched_linear(torch.block_diag(*w.data))]
-        else:
-            self._linears = slice_linears(w)
+        """After loading: the groups' linears as the kit runs them (``cpu/linear.py:grouped_linears``)."""
+        self._linears = grouped_linears(self._grouped_weight())
 
     def forward(self, o: torch.Tensor) -> torch.Tensor:
         """``o: [T, G_local, (H/G) d]`` -> ``[T, G_local * o_lora]`` (groups side by side)."""
@@ -102,9 +86,7 @@ class DeepseekV4Attention(nn.Module):
         self.hidden_size = spec.hidden_size
         self.n_heads = spec.num_attention_heads
         self.head_dim = spec.head_dim
-        self.rope_dim = spec.qk_rope_head_dim
         self.n_groups = spec.o_groups
-        self.o_lora_rank = spec.o_lora_rank
         self.window = spec.sliding_window
         self.eps = spec.rms_norm_eps
         self.compress_ratio = compress_ratio if compress_ratio > 1 else 0
@@ -115,12 +97,17 @@ class DeepseekV4Attention(nn.Module):
             )
         self.n_local_heads = self.n_heads // tp
         self.n_local_groups = self.n_groups // tp
-        self.scale = self.head_dim**-0.5
         self._build_projections(spec, prefix)
         self._build_compression(spec, prefix)
         ratios = list(spec.compress_ratios[: spec.num_hidden_layers])
         self.row_width = layer_row_width(self.compress_ratio, self.head_dim, spec.index_head_dim)
-        self.channels = entry_channels(self.compress_ratio, self.head_dim, spec.index_head_dim)
+        self.channels = ch = entry_channels(self.compress_ratio, self.head_dim, spec.index_head_dim)
+        # (compressor, channel of its [c | z] rows, channel of its entries) of the row's parts after kv
+        pools = [
+            (self.compressor, "kv_gate", "entry"),
+            (self.indexer and self.indexer.compressor, "index_kv_gate", "ikey"),
+        ]
+        self.pools = [(c, ch[a], ch[b]) for c, a, b in pools if c is not None]
         # every layer pads its rows to one width, so target and draft share one KV-cache group
         self.sparse_attn = DeepseekV4SparseAttention(
             vllm_config,
@@ -158,11 +145,11 @@ class DeepseekV4Attention(nn.Module):
         )
         # grouped low-rank output: wo_a is block-diagonal over groups, applied as a batched matmul
         self.wo_a = GroupedLinear(
-            self.n_heads * self.head_dim // self.n_groups, self.o_lora_rank, self.n_groups, self.n_local_groups
+            self.n_heads * self.head_dim // self.n_groups, spec.o_lora_rank, self.n_groups, self.n_local_groups
         )
         self.wo_b = prepared_linear(
             RowParallelLinear(
-                self.n_groups * self.o_lora_rank,
+                self.n_groups * spec.o_lora_rank,
                 self.hidden_size,
                 bias=False,
                 prefix=f"{prefix}.wo_b",
@@ -177,7 +164,7 @@ class DeepseekV4Attention(nn.Module):
         """The layer's rope (YaRN on compressed layers), its compressor (C4 / C128) and, on C4, the indexer."""
         self.rope = layer_rope(
             compress_ratio=self.compress_ratio,
-            rope_dim=self.rope_dim,
+            rope_dim=spec.qk_rope_head_dim,
             rope_theta=spec.rope_theta,
             compress_rope_theta=spec.compress_rope_theta,
             rope_scaling=spec.rope_scaling,
@@ -215,7 +202,6 @@ class DeepseekV4Attention(nn.Module):
         """After loading: a float32 model's ``wo_b`` (a sum TP splits) in float64 (``model/split_sums.py``)."""
         self._wo_b_wide = wide_layer(self.wo_b)
 
-    # ----------------------------------------------------------------------------------------------
     def project(self, x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-token projections. ``x: [T, D]``, ``rot``: the tokens' rope rotations -> ``q [T, H_local, d]``,
         ``qr [T, q_lora]``, ``rows [T, W]``."""
@@ -228,12 +214,8 @@ class DeepseekV4Attention(nn.Module):
         # one rotation for the query heads and the latent: [T, H_local + 1, d]
         qkv = self.rope.apply_(torch.cat([q, kv.unsqueeze(1)], dim=1), rot)
         q, kv = qkv[:, :-1], qkv[:, -1]
-        parts = [kv]
-        if self.compressor is not None:
-            parts.append(self.compressor.project(x))
-        if self.indexer is not None:
-            parts.append(self.indexer.compressor.project(x))
-        return q, qr, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        parts = [kv] + [c.fused_wkv_wgate(x) for c, _, _ in self.pools]  # the row: kv, then each [c | z]
+        return q, qr, torch.cat(parts, dim=-1) if len(parts) > 1 else kv
 
     def write_latent(self, md, positions: torch.Tensor, x: torch.Tensor) -> None:
         """Only the cache write of :meth:`forward_paged`, for a sliding-window layer (the MTP block) at a step whose
@@ -269,17 +251,12 @@ class DeepseekV4Attention(nn.Module):
         rot = self.rope.rotation(positions[:n])
         q, qr, rows = self.project(x[:n], rot)
         self.sparse_attn.write(md, positions, rows)
-        ch, picks = self.channels, None
-        if self.compressor is not None:
-            c = self.compressor
-            self.sparse_attn.compress(md, c, ratio=c.ratio, kv_gate=ch["kv_gate"], width=c.row_width, entry=ch["entry"])
+        picks = None
+        for c, kv_gate, entry in self.pools:
+            self.sparse_attn.compress(md, c, ratio=c.ratio, kv_gate=kv_gate, width=c.row_width, entry=entry)
         if self.indexer is not None:
-            c = self.indexer.compressor
-            self.sparse_attn.compress(
-                md, c, ratio=c.ratio, kv_gate=ch["index_kv_gate"], width=c.row_width, entry=ch["ikey"]
-            )
             iq, iw = self.indexer.queries(qr, x[:n], rot)
-            picks = self.sparse_attn.indexer_picks(md, iq, iw, self.indexer.select, ikey=ch["ikey"])
+            picks = self.sparse_attn.indexer_picks(md, iq, iw, self.indexer.select, ikey=self.channels["ikey"])
         o = self.sparse_attn(md, q, self.attn_sink, picks)
         o = self.rope.apply_(o, rot.conj_physical())
         if n < x.shape[0]:  # padding tokens: output 0

@@ -27,7 +27,7 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO, blocks_per_entry
 from vllm_dsv4_mtp.cpu.linear import prepared_linear
-from vllm_dsv4_mtp.model.norm import rms_norm
+from vllm_dsv4_mtp.cpu.norm import rms_norm
 from vllm_dsv4_mtp.model.rope import DeepseekV4Rope
 
 
@@ -87,10 +87,6 @@ class Compressor(nn.Module):
         )
         self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32), requires_grad=False)
         self.norm = RMSNorm(head_dim, eps=norm_eps)
-
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: [T, D]`` -> ``[T, row_width]`` rows ``[c | z]`` to store per token."""
-        return self.fused_wkv_wgate(x)
 
     def forward(self, rows: torch.Tensor, valid: torch.Tensor, block_pos: torch.Tensor) -> torch.Tensor:
         """Entries of ``M`` completed blocks from their rows ``[M, span, row_width]`` (``valid [M, span, 1]``) ->

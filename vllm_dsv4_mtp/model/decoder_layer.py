@@ -16,10 +16,10 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
+from vllm_dsv4_mtp.cpu.norm import rms_norm
 from vllm_dsv4_mtp.model.attention import DeepseekV4Attention
 from vllm_dsv4_mtp.model.hyper_connection import HyperConnection
 from vllm_dsv4_mtp.model.moe import DeepseekV4MoE
-from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.quantization import LayerRounding
 
 

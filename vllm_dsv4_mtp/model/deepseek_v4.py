@@ -29,10 +29,10 @@ from vllm.platforms import current_platform
 from vllm_dsv4_mtp.config import spec_from_hf_config
 from vllm_dsv4_mtp.cpu.kit import KIT
 from vllm_dsv4_mtp.cpu.linear import ensure_prepared, prepare_weights
+from vllm_dsv4_mtp.cpu.norm import rms_norm
 from vllm_dsv4_mtp.formats.checkpoint import validate_shard_headers
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
-from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.quantization import layer_rounding
 from vllm_dsv4_mtp.startup_checks import check_step_budget
 from vllm_dsv4_mtp.weights.loader import TARGET, CheckpointLoader

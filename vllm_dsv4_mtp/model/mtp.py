@@ -49,10 +49,10 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm_dsv4_mtp import draft_policy
 from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.cpu.linear import ensure_prepared, prepare_weights, prepared_linear
+from vllm_dsv4_mtp.cpu.norm import rms_norm
 from vllm_dsv4_mtp.draft_schedule import StepK
 from vllm_dsv4_mtp.model.decoder_layer import DeepseekV4DecoderLayer
 from vllm_dsv4_mtp.model.hyper_connection import HyperHead
-from vllm_dsv4_mtp.model.norm import rms_norm
 from vllm_dsv4_mtp.model.quantization import DraftRounding, LayerRounding, Rounding, draft_rounding
 from vllm_dsv4_mtp.weights.loader import DRAFT, CheckpointLoader
 from vllm_dsv4_mtp.weights.names import PORTABLE, draft_param

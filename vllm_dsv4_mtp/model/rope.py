@@ -46,25 +46,18 @@ class DeepseekV4Rope(nn.Module):
 
     The rotation of pair ``(2i, 2i+1)`` at position ``p`` is the complex factor ``exp(i p f_i)`` (float32):
     :meth:`rotation` computes those factors once for a set of positions (a layer shares them across its
-    queries, keys and output), :meth:`apply` multiplies by them.
+    queries, keys and output), :meth:`apply_` multiplies by them.
     """
 
     def __init__(self, rope_dim: int, theta: float, yarn: dict | None = None):
         super().__init__()
         self.rope_dim = rope_dim
         self.register_buffer("inv_freq", rope_inv_freq(rope_dim, theta, yarn), persistent=False)
-        self.theta = theta
-        self.is_yarn = bool(yarn)
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions: [N]`` int -> ``cos, sin: [N, rope_dim // 2]`` float32."""
-        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
-        return freqs.cos(), freqs.sin()
 
     def rotation(self, positions: torch.Tensor) -> torch.Tensor:
         """``positions: [N]`` -> complex64 ``[N, rope_dim // 2]`` factors ``exp(i p f)``."""
-        cos, sin = self.cos_sin(positions)
-        return torch.complex(cos, sin)
+        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        return torch.complex(freqs.cos(), freqs.sin())
 
     def apply_(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
         """Rotate, in place, the last ``rope_dim`` channels of ``x: [N, ..., C]`` by ``rot: [N, rope_dim // 2]``
@@ -76,17 +69,13 @@ class DeepseekV4Rope(nn.Module):
         part.copy_(torch.view_as_real(pairs * rot).flatten(-2))
         return x
 
-    def apply(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-        """:meth:`apply_` on a copy of ``x`` (``x`` is not modified)."""
-        return self.apply_(x.clone(), rot)
-
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last ``rope_dim`` channels of ``x: [N, ..., C]`` at ``positions: [N]``.
 
         Computed in float32, returned in ``x.dtype``; ``inverse=True`` applies the conjugate rotation.
         """
         rot = self.rotation(positions)
-        return self.apply(x, rot.conj_physical() if inverse else rot)
+        return self.apply_(x.clone(), rot.conj_physical() if inverse else rot)
 
 
 def layer_rope(
@@ -98,6 +87,3 @@ def layer_rope(
     if compress_ratio > 1:
         return DeepseekV4Rope(rope_dim, compress_rope_theta, rope_scaling)
     return DeepseekV4Rope(rope_dim, rope_theta, None)
-
-
-__all__ = ["DeepseekV4Rope", "layer_rope", "rope_inv_freq"]

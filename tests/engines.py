@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vllm_dsv4_mtp.benchmarks import STOP_GRACE_S
+from vllm_dsv4_mtp.evaluate.common import STOP_GRACE_S
 
 if TYPE_CHECKING:
     from vllm import LLM

@@ -158,7 +158,7 @@ def test_bench_sweep_against_server(server, tmp_path):
 
 
 def test_stepcost_splits_each_decode_step_into_its_parts():
-    from vllm_dsv4_mtp.benchmarks.stepcost import explain, summarize
+    from vllm_dsv4_mtp.evaluate.stepcost import explain, summarize
 
     # one request, MTP K=2: prefill at t=0, then two decode steps of 30 ms each (target 3 tokens, 2 draft calls)
     recs = [
@@ -197,7 +197,7 @@ def test_stepcost_splits_each_decode_step_into_its_parts():
 
 
 def test_stepcost_drops_the_slowest_steps_whole():
-    from vllm_dsv4_mtp.benchmarks.stepcost import summarize
+    from vllm_dsv4_mtp.evaluate.stepcost import summarize
 
     recs, t = [("target", 30, 0.0, 0.005)], 0.01
     for i in range(10):  # ten 10 ms decode steps (8 ms target), the 6th interrupted for 100 ms
@@ -217,7 +217,7 @@ def test_forward_hooks_time_every_call_with_its_tokens_and_profile_range():
     innermost inside outermost, with its token count, and (while profiling) as a ``bench::`` profiler range."""
     import torch
 
-    from vllm_dsv4_mtp.benchmarks import forward_hooks as fh
+    from vllm_dsv4_mtp.evaluate import forward_hooks as fh
 
     class Block(torch.nn.Module):
         def __init__(self):

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.engine
 SCRIPT = r"""
 import json, sys
 from vllm import LLM, SamplingParams
-from vllm_dsv4_mtp.benchmarks import running
+from vllm_dsv4_mtp.evaluate.common import running
 
 def main():
     tp, ep, k = int(sys.argv[1]), sys.argv[2].startswith("ep"), int(sys.argv[3])

@@ -19,7 +19,7 @@ from vllm.v1.spec_decode.dynamic.utils import (
 )
 
 from vllm_dsv4_mtp.cli import main
-from vllm_dsv4_mtp.serve import tune_pick as tp
+from vllm_dsv4_mtp.evaluate import tune_pick as tp
 from vllm_dsv4_mtp.serve.profiles import SCHEDULE_KEY
 
 DSV4_MTP = str(Path(sys.executable).parent / "dsv4-mtp")

@@ -20,7 +20,7 @@ COMMANDS: dict[str, str] = {
     "eval": "vllm_dsv4_mtp.evaluate.eval_cmd",
     "bench": "vllm_dsv4_mtp.evaluate.bench",
     "demo": "vllm_dsv4_mtp.evaluate.demo",
-    "tune": "vllm_dsv4_mtp.serve.tune",
+    "tune": "vllm_dsv4_mtp.evaluate.tune",
 }
 
 

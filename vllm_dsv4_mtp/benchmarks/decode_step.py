@@ -280,7 +280,7 @@ def measure_mtp(name: str, ckpt: str, off_llm, vocab: int, tmp: str, args) -> di
     vLLM's process-wide Prometheus registry, which every new engine resets) beside ``off_llm``, the two timed in
     turn in each repetition (the order alternating), after :func:`quiet`. ``speedup``: the median of the
     repetitions' off / on; ``step_in_off_steps``: the mean acceptance length over it."""
-    from vllm_dsv4_mtp.benchmarks import running
+    from vllm_dsv4_mtp.evaluate.common import running
     from vllm_dsv4_mtp.serve.metrics import spec_decode_from_llm
 
     draft = None
@@ -344,7 +344,7 @@ def measure(names: list[str], dirs: dict[str, str], tmp: str, args) -> list[dict
     (:func:`measure_steps`), then each model's MTP K=2 (:func:`measure_mtp`) against its running engine."""
     import contextlib
 
-    from vllm_dsv4_mtp.benchmarks import running
+    from vllm_dsv4_mtp.evaluate.common import running
 
     with open(f"{dirs[names[0]]}/config.json") as f:  # the floor has the embedded models' vocabulary
         vocab = json.load(f)["vocab_size"]

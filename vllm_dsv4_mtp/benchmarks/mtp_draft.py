@@ -48,7 +48,7 @@ def run_setting(ckpt: str, k: int, prompts: list[list[int]], max_tokens: int, dt
     """Start an engine (MTP with ``k`` drafts, or off when ``k == 0``), generate greedily, measure."""
     from vllm import LLM, SamplingParams
 
-    from vllm_dsv4_mtp.benchmarks import running
+    from vllm_dsv4_mtp.evaluate.common import running
 
     sc = {"method": "mtp", "num_speculative_tokens": k} if k else None
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ import os
 import statistics
 import tempfile
 
-from vllm_dsv4_mtp.benchmarks.forward_hooks import decoder_blocks, finish_profile, time_forward
+from vllm_dsv4_mtp.evaluate.forward_hooks import decoder_blocks, finish_profile, time_forward
 
 
 def install(worker) -> list[str]:
@@ -112,12 +112,11 @@ def _op_counts(prof, tokens: int) -> dict:
 def measure(name: str, ckpt: str, batches: list[int], n_steps: int, mtp_k: int = 0) -> dict:
     from vllm import LLM
 
-    from vllm_dsv4_mtp.benchmarks import running
-
     # by reference (module name), so the worker's hooks and this process's calls share the worker's globals
     from vllm_dsv4_mtp.benchmarks.decode_step import ENGINE_FLAGS, greedy, random_prompts
-    from vllm_dsv4_mtp.benchmarks.forward_hooks import start_profile, take_records
     from vllm_dsv4_mtp.benchmarks.step_parts import install, stop_profile
+    from vllm_dsv4_mtp.evaluate.common import running
+    from vllm_dsv4_mtp.evaluate.forward_hooks import start_profile, take_records
 
     with open(f"{ckpt}/config.json") as f:
         vocab = json.load(f)["vocab_size"]

@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     sampler.start()
     from vllm import LLM
 
-    from vllm_dsv4_mtp.benchmarks import running
     from vllm_dsv4_mtp.benchmarks.decode_step import decode_step_ms
+    from vllm_dsv4_mtp.evaluate.common import running
 
     t0 = time.perf_counter()
     with running(

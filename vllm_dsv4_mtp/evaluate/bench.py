@@ -297,7 +297,7 @@ def markdown(report: dict) -> str:
 
 
 def step_breakdown_markdown(bd: dict) -> str:
-    """The table of :mod:`vllm_dsv4_mtp.benchmarks.stepcost`'s measurement: one engine step at concurrency 1, MTP off
+    """The table of :mod:`vllm_dsv4_mtp.evaluate.stepcost`'s measurement: one engine step at concurrency 1, MTP off
     against MTP K."""
     off, on = bd["off"], bd["on"]
     k = on["mtp_k"]
@@ -482,14 +482,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--step-costs",
         action="store_true",
         help="with --serve: afterwards, time one engine step's parts at concurrency 1, MTP off vs K\n"
-        "(python -m vllm_dsv4_mtp.benchmarks.stepcost; an in-process LLM with forward hooks)",
+        "(python -m vllm_dsv4_mtp.evaluate.stepcost; an in-process LLM with forward hooks)",
     )
     p.set_defaults(func=run)
     return p
 
 
 def run_stepcost(model: str, k: int, max_tokens: int, num_fewshot: int, out: Path) -> dict:
-    """:mod:`vllm_dsv4_mtp.benchmarks.stepcost` in its own process (it runs vLLM engines, one at a time, after the
+    """:mod:`vllm_dsv4_mtp.evaluate.stepcost` in its own process (it runs vLLM engines, one at a time, after the
     servers are gone)."""
     import subprocess
 
@@ -498,7 +498,7 @@ def run_stepcost(model: str, k: int, max_tokens: int, num_fewshot: int, out: Pat
     argv = [
         sys.executable,
         "-m",
-        "vllm_dsv4_mtp.benchmarks.stepcost",
+        "vllm_dsv4_mtp.evaluate.stepcost",
         "--model",
         model,
         "--mtp-k",

@@ -1,5 +1,5 @@
-"""What eval, bench and demo share: the held-out problems and their judge, the shipped checkpoints as default
-models, and the machine a number was measured on.
+"""What eval, bench, demo and the benchmarks share: the held-out problems and their judge, the shipped checkpoints
+as default models, the machine a number was measured on, and an engine's stop however its block ends.
 
 Answers are judged with :func:`vllm_dsv4_mtp.embedded.data.answer_number` (the ``#### N`` value, the same
 rule the training engineer's HF-only evaluation uses); lm-eval runs apply lm-eval's own gsm8k filters.
@@ -7,10 +7,14 @@ rule the training engineer's HF-only evaluation uses); lm-eval runs apply lm-eva
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import os
 import platform
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from vllm_dsv4_mtp.embedded import FEWSHOT_JSONL, TEST_JSONL
 from vllm_dsv4_mtp.embedded import data as gsm
@@ -96,3 +100,26 @@ def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+#: seconds a stopped engine core gets before vLLM kills it and its worker (:func:`running`, the tests' engines).
+#: vLLM 0.32's CPU engine core takes ~5.5 s to exit by itself (its worker notices the closed pipe after ~3 s, the
+#: core's own teardown as long again), past vLLM's default grace of 5 s, after which it is killed anyway.
+STOP_GRACE_S = 1.0
+
+
+@contextlib.contextmanager
+def running(llm) -> Iterator[Any]:
+    """Yield the ``vllm.LLM`` ``llm``, then shut its engine core down however the block ends.
+
+    Why: a benchmark that raises with an engine still running does not exit. Python's multiprocessing atexit
+    handler joins the live EngineCore process, which waits for a shutdown that never comes (seen in CI, stop
+    20: the traceback printed, then the process sat idle until its test's 900 s timeout). The core gets
+    :data:`STOP_GRACE_S` to exit: a benchmark's engine has nothing to flush."""
+    try:
+        yield llm
+    finally:
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown(timeout=STOP_GRACE_S)
+        gc.collect()

@@ -1,5 +1,5 @@
 """PyTorch forward hooks that time parts of a model inside vLLM's worker, for the step benchmarks
-(:mod:`.stepcost`, :mod:`.step_parts`).
+(:mod:`.stepcost` here, and the step-parts benchmark).
 
 A benchmark's own ``install`` function, sent to the worker through vLLM's public ``LLM.collective_rpc``, calls
 :func:`time_forward` on the modules it wants timed; each call of such a module then appends

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_dsv4_mtp.serve import tune_pick as tp
+from vllm_dsv4_mtp.evaluate import tune_pick as tp
 from vllm_dsv4_mtp.serve.profiles import SCHEDULE_KEY
 
 

@@ -8,7 +8,7 @@ K per batch size, write the schedule, serve it once more and compare it with eve
     for config in off, k0 (K=0 in a schedule), k1 .. kKmax:          # one server each, one at a time
         serve plan + config (--max-num-seqs >= the largest level)
         warm up, then per concurrency C: vLLM's bench serve (the prompts asked for), tok/s and acceptance
-    picks     = per C, the lowest K within --tie of the best of k0..kKmax      (serve/tune_pick.py)
+    picks     = per C, the lowest K within --tie of the best of k0..kKmax      (evaluate/tune_pick.py)
     schedule  = the picks as batch-size ranges (each level's K up to the geometric midpoint to the next)
     tuned     = static K if every pick is the same K > 0, else that schedule
     serve tuned once more at every C and at each threshold +-1 (vllm#49548's collapse)
@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_dsv4_mtp.evaluate import tune_pick as tp
 from vllm_dsv4_mtp.evaluate.server import LOOPBACK, ServerSpec
-from vllm_dsv4_mtp.serve import tune_pick as tp
 from vllm_dsv4_mtp.serve.profiles import Profile
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16, 32, 64)
@@ -214,8 +214,8 @@ def dataset_flags(args, out: Path) -> tuple[list[str] | None, str]:
 
 
 def measure(plan: Plan, name: str, config: dict | None, levels: list[int], args, dataset, out: Path) -> list[dict]:
-    """One server for ``config``, measured at ``levels`` (benchmarks/concurrency.py's measure_levels)."""
-    from vllm_dsv4_mtp.benchmarks.concurrency import measure_levels
+    """One server for ``config``, measured at ``levels`` (evaluate/levels.py)."""
+    from vllm_dsv4_mtp.evaluate.levels import measure_levels
     from vllm_dsv4_mtp.evaluate.server import ManagedServer
 
     log = out / "servers" / f"{name}.log"
@@ -351,7 +351,7 @@ def _check(args) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_dsv4_mtp.serve.tune_report import write_outputs
+    from vllm_dsv4_mtp.evaluate.tune_report import write_outputs
 
     args.argv = getattr(args, "argv", None) or sys.argv[2:]
     try:

@@ -1,6 +1,6 @@
 """Where the time of one engine step goes, MTP off against MTP K, at concurrency 1 (what explains the speedup).
 
-    python -m vllm_dsv4_mtp.benchmarks.stepcost --model DIR --mtp-k 2 [--num-problems 8] [--json OUT]
+    python -m vllm_dsv4_mtp.evaluate.stepcost --model DIR --mtp-k 2 [--num-problems 8] [--json OUT]
 
 Runs vLLM's ``LLM`` (one engine at a time: MTP off, then MTP K) with the cpu-tiny profile's engine settings, its
 engine core in its own process as in the server (so vLLM's CPU thread binding applies), and times with PyTorch
@@ -28,7 +28,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from vllm_dsv4_mtp.benchmarks.forward_hooks import Record, decoder_blocks, time_forward
+from vllm_dsv4_mtp.evaluate.forward_hooks import Record, decoder_blocks, time_forward
 
 
 def _hook_blocks(model, prefix: str) -> list[str]:
@@ -126,12 +126,12 @@ def summarize(per_request: list[list[Record]], output_tokens: list[int], keep_qu
 def measure(model: str, mtp_k: int | None, prompts: list[str], max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
-    from vllm_dsv4_mtp.benchmarks import running
+    from vllm_dsv4_mtp.evaluate.common import running
 
     # the hook functions must travel by reference (module name), not by value as they would from __main__, so
     # that the records they keep and the one that hands them back share the worker's module global
-    from vllm_dsv4_mtp.benchmarks.forward_hooks import take_records
-    from vllm_dsv4_mtp.benchmarks.stepcost import install_hooks
+    from vllm_dsv4_mtp.evaluate.forward_hooks import take_records
+    from vllm_dsv4_mtp.evaluate.stepcost import install_hooks
 
     spec = None if mtp_k is None else {"method": "mtp", "num_speculative_tokens": mtp_k}
     with running(

@@ -283,6 +283,8 @@ def markdown(report: dict) -> str:
         lines.append("")
     bd = report.get("step_breakdown")
     if bd:
+        from .stepcost import step_breakdown_markdown
+
         lines += step_breakdown_markdown(bd), ""
     sc = report.get("step_costs")
     if sc:
@@ -294,64 +296,6 @@ def markdown(report: dict) -> str:
             f"{sc['predicted_tpot_speedup']:.2f}x."
         )
     return "\n".join(lines).rstrip() + "\n"
-
-
-def step_breakdown_markdown(bd: dict) -> str:
-    """The table of :mod:`vllm_dsv4_mtp.evaluate.stepcost`'s measurement: one engine step at concurrency 1, MTP off
-    against MTP K."""
-    off, on = bd["off"], bd["on"]
-    k = on["mtp_k"]
-
-    def cell(run, part):
-        ms = run["parts_ms"].get(part)
-        if ms is None:
-            return "–"
-        if part == "other":
-            return f"{ms:.2f}"
-        calls, toks = run["calls_per_step"][part], run["tokens_per_call"][part]
-        return f"{ms:.2f} ({calls:g} x {toks:.3g})"
-
-    def sub(run, part):
-        ms = run.get("subparts_ms", {}).get(part)
-        return "–" if ms is None else f"{ms:.2f}"
-
-    rows = [
-        ("target forward", "target"),
-        ("target logits", "target_logits"),
-        ("draft (MTP) forward", "draft"),
-        ("draft logits", "draft_logits"),
-        ("other: scheduling, input preparation, sampling / rejection sampling, outputs", "other"),
-    ]
-    subs = {"target": ("target_attention", "target_moe"), "draft": ("draft_attention", "draft_moe")}
-    lines = [
-        f"| one engine step at concurrency 1, ms (calls per step x mean tokens per call) | MTP off | MTP K={k} |",
-        "|---|---:|---:|",
-    ]
-    for name, part in rows:
-        lines.append(f"| {name} | {cell(off, part)} | {cell(on, part)} |")
-        for sp in subs.get(part, ()):
-            if sp in off.get("subparts_ms", {}) or sp in on.get("subparts_ms", {}):
-                what = (
-                    "attention blocks" if sp.endswith("attention") else "MoE blocks (router, routed + shared experts)"
-                )
-                lines.append(f"| &nbsp;&nbsp;of which {what} | {sub(off, sp)} | {sub(on, sp)} |")
-    lines += [
-        f"| **whole step** (target forward start to the next) | **{off['step_ms']:.2f}** | **{on['step_ms']:.2f}** |",
-        f"| tokens per step | {off['tokens_per_step']:.2f} | {on['tokens_per_step']:.2f} |",
-        f"| ms per output token | {off['ms_per_output_token']:.2f} | {on['ms_per_output_token']:.2f} |",
-    ]
-    ex = bd["explain"]
-    lines.append(
-        f"\n(mean over decode steps; the slowest 10 % of steps of each run, interference from other processes, "
-        f"dropped whole: {off['steps_kept']}/{off['decode_steps']} and {on['steps_kept']}/{on['decode_steps']} kept)"
-    )
-    lines.append(
-        f"\nSpeedup at concurrency 1 = tokens per step x (step off / step on) = {ex['tokens_per_step']:.2f} x "
-        f"({ex['target_step_off_ms']:.2f} / {ex['mtp_step_ms']:.2f}) = **{ex['predicted_speedup']:.2f}x** "
-        f"({bd['requests']} requests, {bd['identical_outputs']}/{bd['requests']} outputs identical with and "
-        "without MTP)."
-    )
-    return "\n".join(lines)
 
 
 def plot(report: dict, path: Path) -> Path:
@@ -488,36 +432,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def run_stepcost(model: str, k: int, max_tokens: int, num_fewshot: int, out: Path) -> dict:
-    """:mod:`vllm_dsv4_mtp.evaluate.stepcost` in its own process (it runs vLLM engines, one at a time, after the
-    servers are gone)."""
-    import subprocess
-
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "stepcost.json"
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm_dsv4_mtp.evaluate.stepcost",
-        "--model",
-        model,
-        "--mtp-k",
-        str(k),
-        "--max-tokens",
-        str(max_tokens),
-        "--num-fewshot",
-        str(num_fewshot),
-        "--json",
-        str(path),
-    ]
-    print("# " + shlex.join(argv), file=sys.stderr, flush=True)
-    with open(out / "stepcost.log", "w") as log:
-        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT).returncode
-    if rc != 0:
-        raise RuntimeError(f"step-cost measurement failed (status {rc}); see {out / 'stepcost.log'}")
-    return json.loads(path.read_text())
-
-
 def run(args: argparse.Namespace) -> int:
     from vllm_dsv4_mtp.embedded import MXFP4_CHECKPOINT_DIR
 
@@ -581,6 +495,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     report = build_report(runs, argv=argv, model=model, max_tokens=args.max_tokens, num_fewshot=args.num_fewshot)
     if args.step_costs and args.serve and any(r.mtp_k for r in runs):
+        from .stepcost import run_stepcost
+
         report["step_breakdown"] = run_stepcost(model, args.mtp_k, args.max_tokens, args.num_fewshot, args.out)
     paths = write_outputs(report, args.out)
     print(markdown(report))

@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 from vllm_dsv4_mtp.evaluate.forward_hooks import Record, decoder_blocks, time_forward
 
@@ -221,6 +222,95 @@ def main(argv: list[str] | None = None) -> int:
             f.write(text + "\n")
     print(text)
     return 0
+
+
+def step_breakdown_markdown(bd: dict) -> str:
+    """The table of :mod:`vllm_dsv4_mtp.evaluate.stepcost`'s measurement: one engine step at concurrency 1, MTP off
+    against MTP K."""
+    off, on = bd["off"], bd["on"]
+    k = on["mtp_k"]
+
+    def cell(run, part):
+        ms = run["parts_ms"].get(part)
+        if ms is None:
+            return "–"
+        if part == "other":
+            return f"{ms:.2f}"
+        calls, toks = run["calls_per_step"][part], run["tokens_per_call"][part]
+        return f"{ms:.2f} ({calls:g} x {toks:.3g})"
+
+    def sub(run, part):
+        ms = run.get("subparts_ms", {}).get(part)
+        return "–" if ms is None else f"{ms:.2f}"
+
+    rows = [
+        ("target forward", "target"),
+        ("target logits", "target_logits"),
+        ("draft (MTP) forward", "draft"),
+        ("draft logits", "draft_logits"),
+        ("other: scheduling, input preparation, sampling / rejection sampling, outputs", "other"),
+    ]
+    subs = {"target": ("target_attention", "target_moe"), "draft": ("draft_attention", "draft_moe")}
+    lines = [
+        f"| one engine step at concurrency 1, ms (calls per step x mean tokens per call) | MTP off | MTP K={k} |",
+        "|---|---:|---:|",
+    ]
+    for name, part in rows:
+        lines.append(f"| {name} | {cell(off, part)} | {cell(on, part)} |")
+        for sp in subs.get(part, ()):
+            if sp in off.get("subparts_ms", {}) or sp in on.get("subparts_ms", {}):
+                what = (
+                    "attention blocks" if sp.endswith("attention") else "MoE blocks (router, routed + shared experts)"
+                )
+                lines.append(f"| &nbsp;&nbsp;of which {what} | {sub(off, sp)} | {sub(on, sp)} |")
+    lines += [
+        f"| **whole step** (target forward start to the next) | **{off['step_ms']:.2f}** | **{on['step_ms']:.2f}** |",
+        f"| tokens per step | {off['tokens_per_step']:.2f} | {on['tokens_per_step']:.2f} |",
+        f"| ms per output token | {off['ms_per_output_token']:.2f} | {on['ms_per_output_token']:.2f} |",
+    ]
+    ex = bd["explain"]
+    lines.append(
+        f"\n(mean over decode steps; the slowest 10 % of steps of each run, interference from other processes, "
+        f"dropped whole: {off['steps_kept']}/{off['decode_steps']} and {on['steps_kept']}/{on['decode_steps']} kept)"
+    )
+    lines.append(
+        f"\nSpeedup at concurrency 1 = tokens per step x (step off / step on) = {ex['tokens_per_step']:.2f} x "
+        f"({ex['target_step_off_ms']:.2f} / {ex['mtp_step_ms']:.2f}) = **{ex['predicted_speedup']:.2f}x** "
+        f"({bd['requests']} requests, {bd['identical_outputs']}/{bd['requests']} outputs identical with and "
+        "without MTP)."
+    )
+    return "\n".join(lines)
+
+
+def run_stepcost(model: str, k: int, max_tokens: int, num_fewshot: int, out: Path) -> dict:
+    """:mod:`vllm_dsv4_mtp.evaluate.stepcost` in its own process (it runs vLLM engines, one at a time, after the
+    servers are gone)."""
+    import shlex
+    import subprocess
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "stepcost.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm_dsv4_mtp.evaluate.stepcost",
+        "--model",
+        model,
+        "--mtp-k",
+        str(k),
+        "--max-tokens",
+        str(max_tokens),
+        "--num-fewshot",
+        str(num_fewshot),
+        "--json",
+        str(path),
+    ]
+    print("# " + shlex.join(argv), file=sys.stderr, flush=True)
+    with open(out / "stepcost.log", "w") as log:
+        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise RuntimeError(f"step-cost measurement failed (status {rc}); see {out / 'stepcost.log'}")
+    return json.loads(path.read_text())
 
 
 if __name__ == "__main__":

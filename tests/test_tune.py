@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -157,7 +158,10 @@ def test_a_plain_vllm_command_keeps_its_flags_and_method(capsys):
         "VLLM_CPU_KVCACHE_SPACE=2 vllm serve /m/dsv4 --max-num-seqs 128 --enforce-eager --port 8000 "
         '--speculative-config \'{"method":"deepseek_mtp","num_speculative_tokens":2}\''
     )
+    before = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     assert main(["tune", "--dry-run", "--k-max", "1", "--command", cmd]) == 0
+    # the command's environment goes to the servers it starts, not into this process (later tests inherit it)
+    assert os.environ.get("VLLM_CPU_KVCACHE_SPACE") == before
     lines = capsys.readouterr().out.splitlines()
     argv = shlex.split(lines[5])
     assert argv[3:5] == ["--model", "/m/dsv4"] and "--enforce-eager" in argv

@@ -147,8 +147,10 @@ class ManagedServer:
         start_timeout_s: float = 600.0,
         stop_timeout_s: float = 90.0,
         quiet: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.spec = spec
+        self.env = dict(env or {})  # on top of this process's environment, for the server only
         self.given_port = port
         self.port = port  # None until start() reads the port the server bound (see the module docstring)
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="dsv4-serve-")) / "server.log"
@@ -174,7 +176,7 @@ class ManagedServer:
     def start(self) -> ManagedServer:
         self.port = self.given_port
         argv = self.spec.serve_argv(self.port or 0)
-        env = dict(os.environ)
+        env = dict(os.environ) | self.env
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
         if not self.quiet:

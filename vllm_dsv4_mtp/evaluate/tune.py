@@ -61,6 +61,7 @@ class Plan:
     tokenizer: str
     dp: int
     prefix: list[str] = field(default_factory=list)  # the command's words before its flags (for the printed command)
+    env: dict[str, str] = field(default_factory=dict)  # the command's environment, for every server it starts
 
     def server_flags(self, config: dict | None) -> list[str]:
         return [
@@ -137,12 +138,12 @@ def resolve(args) -> Plan:
     from vllm_dsv4_mtp.serve.profiles import SCHEDULE_KEY, get_profile, mtp_speculative_config
 
     prefix: list[str] = []
+    env: dict[str, str] = {}
     profile, model, flags = args.profile, args.model, list(args.vllm_flags)
     if args.command:
         profile, cmd_model, cmd_flags, prefix, env = parse_command(args.command)
         model = model or cmd_model
         flags = cmd_flags + flags
-        os.environ.update(env)  # this process starts the servers: they inherit it
     try:
         prof = get_profile(profile) if profile else bare_profile()
         cmd = build_command(prof, model, flags)
@@ -171,6 +172,7 @@ def resolve(args) -> Plan:
         tokenizer=str(cmd.flag("tokenizer") or cmd.model),
         dp=int(cmd.flag("data-parallel-size", 1) or 1),
         prefix=prefix,
+        env=env,
     )
 
 
@@ -221,7 +223,7 @@ def measure(plan: Plan, name: str, config: dict | None, levels: list[int], args,
     log = out / "servers" / f"{name}.log"
     print(f"# {tp.label(name)}: starting a server (log {log})", file=sys.stderr, flush=True)
     spec = plan.server_spec(config)
-    with ManagedServer(spec, quiet=True, log_path=log, start_timeout_s=args.start_timeout) as srv:
+    with ManagedServer(spec, quiet=True, log_path=log, start_timeout_s=args.start_timeout, env=plan.env) as srv:
         rows = measure_levels(srv.base_url, name, plan.tokenizer, levels, args, dataset)
         startup = srv.startup_s
     for r in rows:

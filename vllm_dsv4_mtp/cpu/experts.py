@@ -107,15 +107,21 @@ class PackedExperts:
         only, so an expert no token picked cannot reach the sum (not even as ``0 * inf``); ``index_add_``: a token
         that picked one expert twice (a hash table may) gets both rows, as in the grouped way."""
         t, n, i = local.shape[0], self.n, self.i
-        scale = weights.float()  # weights itself where already float32: never written below
+        # a float32 model's parts are float64 (model/split_sums.py): its scaled rows stay float64 into the float64
+        # ``w2``, so that this way and the grouped one differ by float64 roundings only, whichever way a rank's
+        # slice takes (tensor parallelism halves a rank's GEMMs, and so moves where this way pays)
+        wide = self.out_dtype == torch.float64
+        acc = torch.float64 if wide else torch.float32
+        scale = weights.to(acc)  # weights itself where already that dtype: never written below
         mine = None
         if self.elsewhere:  # other ranks' picks read expert 0, then 0
             mine = (local >= 0) & (local < n)
             local = local.where(mine, 0)
         rows = (local + torch.arange(0, t * n, n, device=x.device).unsqueeze(1)).reshape(-1)  # of h [T n, 2 I]
         h = self.all[0](x).view(t * n, 2 * i)
-        a = act(h.index_select(0, rows)).float().mul_(scale.reshape(-1, 1))
+        a = act(h.index_select(0, rows)).to(acc).mul_(scale.reshape(-1, 1))
         if mine is not None:
             a.masked_fill_(~mine.reshape(-1, 1), 0.0)
-        down_in = torch.zeros(t * n, i, dtype=x.dtype, device=x.device).index_add_(0, rows, a.to(x.dtype))
+        down_dtype = acc if wide else x.dtype
+        down_in = torch.zeros(t * n, i, dtype=down_dtype, device=x.device).index_add_(0, rows, a.to(down_dtype))
         return self.all[1](down_in.view(t, n * i))

@@ -234,7 +234,7 @@ def test_every_mi355x_profile_carries_a_k_schedule_the_dry_run_prints_and_vllm_t
     """Issue 48: each MI355X profile's speculative config has vLLM's ``num_speculative_tokens_per_batch_size``,
     printed in one dry-run line; vLLM's own validation and lookup accept it; a dotted ``num_speculative_tokens`` on
     the command line asks for a static K and drops it (one note); under DP the note says vLLM runs static K.
-    ``cpu-tiny`` carries none: on this CPU static K=2 measured better than any schedule (docs/benchmarks.md)."""
+    ``cpu-tiny`` carries none: on this CPU no schedule beat serving without MTP (docs/benchmarks.md)."""
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
     from vllm_dsv4_mtp.serve import cli

@@ -36,9 +36,8 @@ SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 #: speculating above about 10 (InferenceX#2787). Until `dsv4-mtp tune` measures the user's own server: K=2 up to 16
 #: requests, K=0 above (docs/mi355.md).
 MI355X_SCHEDULE = ((1, 16, 2), (17, 1024, 0))
-#: none on CPU: measured through vLLM's bench serve (docs/benchmarks.md, "MTP per concurrency"), static K=2 beat
-#: every schedule at every concurrency, since a K=0 step still costs vLLM's speculative machinery (0.73x MTP off at
-#: 32 requests against static K=2's 0.80x) and the schedule's own path cost 8 % at 1 request
+#: none on CPU: the profile shows the draft at work at static K=2. On this CPU no K schedule beat serving without a
+#: speculative config (docs/benchmarks.md, "MTP per concurrency"); `dsv4-mtp tune` measures a user's own machine
 CPU_TINY_SCHEDULE = None
 
 

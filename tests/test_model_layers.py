@@ -214,7 +214,7 @@ def test_attention_matches_hf(tmp_path, ratios, lid):
 @pytest.mark.usefixtures("vllm_dist")
 def test_attention_chunked_queries_equal_full(tmp_path, monkeypatch, flash):
     """Queries processed in pieces (as chunked prefill, decodes and verify windows do, over rows 0..end) give
-    the same output. Every segment attends through the compiled kernel (``cpu/sink_loop.py``); the same
+    the same output. Every segment attends through the compiled kernel (``cpu/csrc/sparse_attn.c``); the same
     steps through torch's flash kernel (``flash``, the path where the kernel is not usable, each query's C4 picks
     a key set of its own) give it too."""
     if flash:

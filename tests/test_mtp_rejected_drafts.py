@@ -1,7 +1,7 @@
 """Rows of rejected MTP drafts never change a later step's output, through vLLM's engine (float32).
 
 The portable attention stores each compressed entry (and the C4 indexer's key) in the cache row of the token
-that completes its block, computed in the step that writes that token (``model/paged_rows.py``). In a
+that completes its block, computed in the step that writes that token (``attention/backend.py``). In a
 verify window the drafts' rows are written, and a draft at position ``4 j + 3`` / ``128 j + 127`` completes a
 C4 / C128 block with an entry made from the draft's row. With a random MTP layer nearly every draft is
 rejected; prompts of 126 and 254 tokens put the first verify window's drafts at positions 127 / 128 and 255 /

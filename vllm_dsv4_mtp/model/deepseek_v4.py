@@ -8,7 +8,7 @@
     logits = head(norm(hc_head(X)))
 
 The model runs eagerly: the class is deliberately not ``@support_torch_compile``-decorated (the portable
-attention touches the paged cache from Python; see ``model/paged_rows.py``). When a speculative config
+attention touches the paged cache from Python; see ``attention/rows.py``). When a speculative config
 that feeds hidden states to a drafter is present, the pre-``hc_head`` state ``H`` of the last step is kept in
 a buffer returned by :meth:`DeepseekV4ForCausalLM.get_mtp_target_hidden_states`, as vLLM's in-tree model does.
 """

@@ -20,7 +20,6 @@ for vLLM 0.32, 0.33 and 0.34. Checked:
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ import torch
 from test_in_tree_mtp_real import (  # noqa: F401  (checkpoints: a fixture)
     FSE_ON,
     VERSIONS,
+    _ok,
     checkpoints,
     decoded_mtp,
     expected_rank,
@@ -37,18 +37,13 @@ from test_in_tree_mtp_real import (  # noqa: F401  (checkpoints: a fixture)
 )
 
 from vllm_dsv4_mtp.config import DeepseekV4Spec
+from vllm_dsv4_mtp.evaluate.server import free_port
 
 pytestmark = pytest.mark.engine
 
 FSE = "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS"
 #: vLLM's refusal (vllm/models/deepseek_v4/amd/model.py, ``_fuse_shared_experts_enabled``; vllm#57919)
 FSE_UNDER_DP = "fused shared experts (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1) are not supported"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dp_cases(version: str, checkpoints: dict[str, Path], out: Path) -> list[dict]:  # noqa: F811
@@ -90,13 +85,6 @@ def real_dp(request, checkpoints, tmp_path_factory):  # noqa: F811
         for r in range(c["tp"] * c["dp"])
     }
     return version, out, cases, results
-
-
-def _ok(results, name, world):
-    for r in range(world):
-        res = results[(name, r)]
-        assert res["error"] is None, f"{name} rank {r}: {res['error']}\n{res.get('traceback', '')}"
-    return [results[(name, r)] for r in range(world)]
 
 
 @pytest.mark.parametrize("layout", ["amd", "official", "amd-mtp-original"])

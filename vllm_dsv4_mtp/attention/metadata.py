@@ -84,6 +84,11 @@ class DeepseekV4AttentionMetadata:
     window_schedule: Schedule | None  # vLLM's CPU kernel's arguments, for SWA layers that use it
 
 
+def _slots(block_table: np.ndarray, req: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slots of positions ``pos >= 0`` of requests ``req`` (broadcast together), by the block table."""
+    return block_table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+
+
 def build_step(
     plan: StepPlan,
     *,
@@ -110,16 +115,11 @@ def build_step(
     done_tok = keep[:n]
 
     def pieces(r: np.ndarray, p: np.ndarray, visible: np.ndarray, piece: int) -> torch.Tensor:
-        slots = (
-            block_table[r, np.maximum(p, 0) // block_size].astype(np.int64) * block_size + np.maximum(p, 0) % block_size
-        )
+        slots = _slots(block_table, r, np.maximum(p, 0), block_size)
         idx = piece_index(
             torch.from_numpy(np.where(visible, slots, -1)), piece, 1, pieces=plan.pieces, block_size=block_size
         )
         return idx.squeeze(-1)
-
-    def slots_of(r: np.ndarray, p: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(block_table[r, p // block_size].astype(np.int64) * block_size + p % block_size)
 
     top = int(pos.max(initial=-1)) + 1
     w = max(1, min(plan.window, top))
@@ -131,7 +131,7 @@ def build_step(
         rows = pos[ends, None] - span + 1 + np.arange(span)[None, :]
         completions[ratio] = (
             Completions(
-                slots_of(req[ends, None], np.maximum(rows, 0)),
+                torch.from_numpy(_slots(block_table, req[ends, None], np.maximum(rows, 0), block_size)),
                 torch.from_numpy((rows >= 0)[:, :, None]),
                 sm[torch.from_numpy(ends)],
                 torch.from_numpy(pos[ends] - ratio + 1),
@@ -193,7 +193,7 @@ def _indexer_segments(
     seen = (qpos.max(axis=1, initial=-1) + 1) // OVERLAP_RATIO  # [B]
     j = np.arange(int(seen.max(initial=0)))[None, :]
     jpos = np.where(j < seen[:, None], OVERLAP_RATIO * j + OVERLAP_RATIO - 1, 0)
-    slots = block_table[seg_req[:, None], jpos // block_size].astype(np.int64) * block_size + jpos % block_size
+    slots = _slots(block_table, seg_req[:, None], jpos, block_size)
     limit = (qpos + 1) // OVERLAP_RATIO  # padding queries (-1) see none
     slots_t = torch.from_numpy(slots)
     return IndexerSegments(

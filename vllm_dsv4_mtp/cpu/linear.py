@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.platforms import current_platform
@@ -182,3 +183,40 @@ def grouped_linears(w: torch.Tensor) -> list[Linear]:
     if g > 1 and g * n * g * k <= BLOCK_DIAGONAL_MAX:
         return [dispatched_linear(torch.block_diag(*w.data))]
     return slice_linears(w)
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal ``wo_a``: group ``g`` maps its ``(H/G) d`` inputs to ``o_lora`` outputs. ``weight:
+    [G_local * o_lora, (H/G) d]`` (this rank's groups' rows), a plain parameter: the kit runs the groups."""
+
+    def __init__(self, in_per_group: int, out_per_group: int, n_groups: int, n_local_groups: int):
+        super().__init__()
+        self.out_per_group = out_per_group
+        self.n_groups = n_groups
+        self.n_local_groups = n_local_groups
+        self.weight = nn.Parameter(torch.empty(n_local_groups * out_per_group, in_per_group), requires_grad=False)
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        self._linears: list[Linear] | None = None
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Native ``wo_a [G * o_lora, (H/G) d]`` -> this rank's groups' rows."""
+        full = (self.n_groups * self.out_per_group, param.shape[1])
+        if tuple(loaded.shape) != full:
+            raise ValueError(f"wo_a: expected shape {full}, got {tuple(loaded.shape)}")
+        rows = param.shape[0]
+        start = get_tensor_model_parallel_rank() * rows
+        param.data.copy_(loaded[start : start + rows])
+
+    def _grouped_weight(self) -> torch.Tensor:
+        return self.weight.view(self.n_local_groups, self.out_per_group, -1)
+
+    def pack(self) -> None:
+        """After loading: the groups' linears as the kit runs them (:func:`grouped_linears`)."""
+        self._linears = grouped_linears(self._grouped_weight())
+
+    def forward(self, o: torch.Tensor) -> torch.Tensor:
+        """``o: [T, G_local, (H/G) d]`` -> ``[T, G_local * o_lora]`` (groups side by side)."""
+        linears = self._linears if self._linears is not None else plain_linears(self._grouped_weight())
+        if len(linears) == 1:
+            return linears[0](o.reshape(o.shape[0], -1))
+        return torch.cat([lin(o[:, g]) for g, lin in enumerate(linears)], dim=-1)

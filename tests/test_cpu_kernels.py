@@ -56,8 +56,8 @@ def test_the_loops_build_and_pass_their_probes_here():
     for name in cpu_kernels.NAMES:  # raises, naming the compiler's problem, where there is none or it fails
         path = cpu_kernels.build(name)
         assert path.exists() and cpu_kernels.build(name) == path
-    assert KIT.sink_loop(torch.float32, 128, CPU) and KIT.sink_loop(torch.bfloat16, 128, CPU)
-    assert not KIT.sink_loop(torch.float16, 128, CPU) and not KIT.sink_loop(torch.float32, 120, CPU)
+    assert KIT.sparse_attn_loop(torch.float32, 128, CPU) and KIT.sparse_attn_loop(torch.bfloat16, 128, CPU)
+    assert not KIT.sparse_attn_loop(torch.float16, 128, CPU) and not KIT.sparse_attn_loop(torch.float32, 120, CPU)
     assert KIT.mxfp4_round()
 
 

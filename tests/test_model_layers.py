@@ -220,7 +220,7 @@ def test_attention_chunked_queries_equal_full(tmp_path, monkeypatch, flash):
     if flash:
         from vllm_dsv4_mtp.cpu.kit import KIT
 
-        monkeypatch.setattr(KIT, "sink_loop", lambda *args: False)
+        monkeypatch.setattr(KIT, "sparse_attn_loop", lambda *args: False)
     cfg, _, _, mine = _attention_pair(tmp_path, [0, 4, 128, 4, 0], 1, seed=5)
     x = torch.randn(300, cfg["hidden_size"])
     pos = torch.arange(300)

@@ -210,7 +210,7 @@ class DeepseekV4SparseAttention(nn.Module, AttentionLayerBase):
         if self.compress_ratio == 0 and KIT.paged_window(kv_cache, self.head_dim):
             self.impl = PagedWindowImpl(WindowKernel(kv_cache, self.head_dim, self.window, self.scale))
         else:
-            self.impl = SparseAttnImpl(KIT.sink_loop(kv_cache.dtype, self.head_dim, kv_cache.device))
+            self.impl = SparseAttnImpl(KIT.sparse_attn_loop(kv_cache.dtype, self.head_dim, kv_cache.device))
 
     def metadata(self) -> DeepseekV4AttentionMetadata | None:
         """This step's metadata, or None in vLLM's profile / dummy runs (no cache to touch)."""

@@ -2,8 +2,8 @@
 the portable model, each probed once per process against the model's own formula and kept.
 
     question (CpuKit method)                fast implementation                      probe
-    sink_loop(dtype, head_dim, device)      the C loop of cpu/sparse_attn.py         queries with masked keys vs
-                                                                                     the torch reference
+    sparse_attn_loop(dtype, head_dim,       the C loop of cpu/sparse_attn.py         queries with masked keys vs
+                     device)                                                         the torch reference
     paged_window(kv_cache, head_dim)        vLLM's CPU paged attention               two engine-like steps vs the
                                             (cpu/paged_window.py)                    float32 reference
     mxfp4_round()                           the C loop of cpu/mxfp4_round.py         every bf16 exponent, ties, NaN:
@@ -63,11 +63,11 @@ class CpuKit:
                 torch.set_default_dtype(prior)
         return self._answers[key]
 
-    def sink_loop(self, dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    def sparse_attn_loop(self, dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
         """Whether ``sparse_attn`` runs through the compiled loop for these rows."""
         if not sparse_attn.takes(dtype, head_dim, device):
             return False
-        return self._ask(("sink_loop", dtype), lambda: _probe_sink_loop(dtype))
+        return self._ask(("sparse_attn_loop", dtype), lambda: _probe_sparse_attn_loop(dtype))
 
     def paged_window(self, kv_cache: torch.Tensor, head_dim: int) -> bool:
         """Whether a SWA layer with this bound cache attends through vLLM's CPU paged-attention kernel: the cache
@@ -129,7 +129,7 @@ class CpuKit:
         self._reported.add(key)
         half = dtype in HALF_DTYPES
         answers = {
-            "sink-attention loop": self.sink_loop(dtype, head_dim, torch.device("cpu")),
+            "sink-attention loop": self.sparse_attn_loop(dtype, head_dim, torch.device("cpu")),
             "vLLM paged window kernel": self.paged_window_kernel(dtype, head_dim),
         }
         if w4a4:
@@ -263,7 +263,7 @@ def _probe_mxfp4_round() -> bool:
     return True
 
 
-def _probe_sink_loop(dtype: torch.dtype) -> bool:
+def _probe_sparse_attn_loop(dtype: torch.dtype) -> bool:
     """Queries with masked keys, one with every key masked, against the torch reference within this dtype's
     rounding."""
     if sparse_attn.loaded() is None:

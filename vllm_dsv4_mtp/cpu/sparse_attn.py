@@ -106,5 +106,6 @@ def sparse_attn_compiled(
 
 def takes(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
     """Whether :func:`sparse_attn_compiled` takes rows of ``dtype`` and ``head_dim`` on ``device``; whether the
-    loop built and passed its probe is the kit's question (:meth:`vllm_dsv4_mtp.cpu.kit.CpuKit.sink_loop`)."""
+    loop built and passed its probe is the kit's question
+    (:meth:`vllm_dsv4_mtp.cpu.kit.CpuKit.sparse_attn_loop`)."""
     return device.type == "cpu" and dtype in ROW_DTYPES and head_dim % VECTOR == 0 and head_dim <= MAX_HEAD

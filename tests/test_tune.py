@@ -83,6 +83,15 @@ def test_tuned_config_is_static_when_every_k_is_the_same():
     assert zero["num_speculative_tokens"] == 1 and build_dynamic_sd_schedule_lookup(zero[SCHEDULE_KEY], 64, 1)[64] == 0
 
 
+def test_the_all_k0_config_runs_k0_at_every_batch_size_under_at_least_one_draft_token():
+    """One builder for the tuner's K=0 candidate (under its Kmax) and the concurrency benchmark's ``k0``."""
+    base = {"method": "mtp", "num_speculative_tokens": 2, SCHEDULE_KEY: [[1, 2, 2]]}
+    want = {"method": "mtp", "num_speculative_tokens": 3, SCHEDULE_KEY: [[1, 64, 0]]}
+    assert tp.all_k0(base, 64, SCHEDULE_KEY, 3) == want
+    k0 = tp.all_k0({"method": "mtp"}, 16, SCHEDULE_KEY)
+    assert k0["num_speculative_tokens"] == 1 and build_dynamic_sd_schedule_lookup(k0[SCHEDULE_KEY], 16, 1)[16] == 0
+
+
 def test_collapse_is_a_fall_below_a_smaller_concurrency():
     schedule = [[1, 2, 2], [3, 8, 0]]
     fine = tp.collapses({1: 80, 2: 140, 3: 170, 4: 230}, schedule, drop=0.10)

@@ -33,15 +33,19 @@ def run_config(name: str, args) -> list[dict]:
     from vllm_dsv4_mtp.draft_schedule import CACHE_ONLY_ENV
     from vllm_dsv4_mtp.evaluate.levels import measure_levels
     from vllm_dsv4_mtp.evaluate.server import ManagedServer, ServerSpec
+    from vllm_dsv4_mtp.evaluate.tune_pick import all_k0
+    from vllm_dsv4_mtp.serve.profiles import SCHEDULE_KEY
 
     top = max(args.concurrency)
     extra = ["--max-num-seqs", str(top)]
     if name == "off":
         spec = ServerSpec(model=args.model, mtp_k=None, extra_args=extra)
     elif name in ("schedule", "k0", "k0-whole"):
-        schedule = args.schedule if name == "schedule" else [[1, top, 0]]
-        k = max(1, max(r[2] for r in schedule))  # vLLM needs K >= 1 even where the schedule says 0 throughout
-        config = {"method": "mtp", "num_speculative_tokens": k, "num_speculative_tokens_per_batch_size": schedule}
+        if name == "schedule":  # vLLM needs K >= 1 even where the schedule says 0 throughout
+            k = max(1, *(r[2] for r in args.schedule))
+            config = {"method": "mtp", "num_speculative_tokens": k, SCHEDULE_KEY: args.schedule}
+        else:
+            config = all_k0({"method": "mtp"}, top, SCHEDULE_KEY)
         extra += ["--speculative-config", json.dumps(config)]
         if name == "k0-whole":  # what vLLM runs at K = 0 without the plugin's cache-only step
             extra += ["--env", f"{CACHE_ONLY_ENV}=0"]

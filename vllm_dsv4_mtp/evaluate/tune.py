@@ -181,7 +181,7 @@ def candidates(plan: Plan, k_max: int) -> dict[str, dict | None]:
     from vllm_dsv4_mtp.serve.profiles import SCHEDULE_KEY
 
     out: dict[str, dict | None] = {tp.OFF: None}
-    out[tp.K0] = plan.base_config | {"num_speculative_tokens": k_max, SCHEDULE_KEY: [[1, plan.max_num_seqs, 0]]}
+    out[tp.K0] = tp.all_k0(plan.base_config, plan.max_num_seqs, SCHEDULE_KEY, k_max)
     for k in range(1, k_max + 1):
         out[tp.cand(k)] = plan.base_config | {"num_speculative_tokens": k}
     return out

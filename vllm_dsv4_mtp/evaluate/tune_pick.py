@@ -109,6 +109,14 @@ def speculative_config(base: Mapping, schedule: list[list[int]], schedule_key: s
     return config | {"num_speculative_tokens": max(max(ks), 1), schedule_key: [list(r) for r in schedule]}
 
 
+def all_k0(base: Mapping, max_num_seqs: int, schedule_key: str, num_speculative_tokens: int = 1) -> dict:
+    """The config that runs K = 0 at every batch size up to ``max_num_seqs`` (each step the draft only writes its
+    cache): one schedule range of K = 0, under ``num_speculative_tokens`` (vLLM needs at least 1; the tuner gives
+    its Kmax, so that K = 0 runs on the server a schedule holding it would)."""
+    config = {k: v for k, v in base.items() if k != schedule_key}
+    return config | {"num_speculative_tokens": max(num_speculative_tokens, 1), schedule_key: [[1, max_num_seqs, 0]]}
+
+
 def thresholds(schedule: list[list[int]] | None) -> list[int]:
     """The first batch size of each range after the first (where K changes)."""
     return [r[0] for r in (schedule or [])[1:]]

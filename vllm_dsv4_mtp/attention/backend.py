@@ -248,8 +248,9 @@ class DeepseekV4SparseAttention(nn.Module, AttentionLayerBase):
     def indexer_picks(self, md: DeepseekV4AttentionMetadata, q: torch.Tensor, w: torch.Tensor, select, *, ikey: int):
         """C4: ``select(q [B, S, nI, dI], w [B, S, nI], keys [B, n, dI], masked, limit) -> (picks, unseen)
         [B, S, k]`` over each segment's entries (keys at channel ``ikey``) -> the picks' piece indices
-        ``[T, k]`` (-1: none)."""
+        ``[T, k]`` of the step's own tokens (-1: none; ``q``, ``w`` may go on with padding tokens)."""
         seg = md.indexer
+        q, w = q[: md.num_tokens], w[: md.num_tokens]
         b, s = seg.masked.shape[:2]
         if seg.slots.shape[1] == 0 or md.num_tokens == 0:
             return q.new_empty((q.shape[0], 0), dtype=torch.int64)
@@ -265,8 +266,10 @@ class DeepseekV4SparseAttention(nn.Module, AttentionLayerBase):
         return idx if seg.output_index is None else idx[seg.output_index]
 
     def forward(self, md, q: torch.Tensor, sink: torch.Tensor, picks: torch.Tensor | None = None) -> torch.Tensor:
-        """``q [T, H, d]`` (roped), ``sink [H]`` -> ``[T, H, d]``: each query over its window, then the entries
-        of this layer's ratio (C128-style) or its ``picks [T, k]`` (C4)."""
+        """``q [T, H, d]`` (roped), ``sink [H]`` -> ``[T, H, d]``: each of the step's queries over its window,
+        then the entries of this layer's ratio (C128-style) or its ``picks`` (C4); padding tokens' rows 0."""
+        n = md.num_tokens
         extra = picks if picks is not None else md.entry_idxs.get(self.compress_ratio)
         topk_idxs = md.window_idxs if extra is None else torch.cat([md.window_idxs, extra], dim=-1)
-        return self.impl.forward(md, q, self.rows.table, sink, topk_idxs, self.scale)
+        o = self.impl.forward(md, q[:n], self.rows.table, sink, topk_idxs, self.scale)
+        return o if n == q.shape[0] else torch.cat([o, o.new_zeros(q.shape[0] - n, *o.shape[1:])])

@@ -148,19 +148,16 @@ class DeepseekV4Attention(nn.Module):
 
     def forward_paged(self, md, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` over the step's metadata ``md`` (the backend's): write the step's rows, pool the
-        blocks they complete, pick (C4), attend."""
-        n = md.num_tokens
-        rot = self.rope.rotation(positions[:n])
-        q, qr, rows = self.project(x[:n], rot)
+        blocks they complete, pick (C4), attend. Padding tokens (vLLM's, after the step's own) are projected as
+        they come; the backend never stores or attends them, and their output is 0."""
+        rot = self.rope.rotation(positions)
+        q, qr, rows = self.project(x, rot)
         self.sparse_attn.write(md, positions, rows)
         for c, kv_gate, entry in self.pools:
             self.sparse_attn.compress(md, c, ratio=c.ratio, kv_gate=kv_gate, width=c.row_width, entry=entry)
         picks = None
         if self.indexer is not None:
-            iq, iw = self.indexer.queries(qr, x[:n], rot)
+            iq, iw = self.indexer.queries(qr, x, rot)
             picks = self.sparse_attn.indexer_picks(md, iq, iw, self.indexer.select, ikey=self.channels["ikey"])
         o = self.sparse_attn(md, q, self.attn_sink, picks)
-        o = self.rope.apply_(o, rot.conj_physical())
-        if n < x.shape[0]:  # padding tokens: output 0
-            o = torch.cat([o, o.new_zeros(x.shape[0] - n, *o.shape[1:])])
-        return self.output(o)
+        return self.output(self.rope.apply_(o, rot.conj_physical()))
